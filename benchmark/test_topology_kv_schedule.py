@@ -1,0 +1,264 @@
+"""Tests of the topology schedule library (centroids, drift, block schedules, expansion).
+
+Run on CPU by ``//benchmark:topology_kv_candidate_schedule_test``; the same file runs on
+CUDA in ``..._cuda_manual`` when ``TOPOLOGY_KV_TEST_DEVICE=cuda``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmark import topology_kv_reference as ref
+from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
+    DriftMetric,
+    TopologyScheduleConfig,
+    block_drift_scores,
+    block_key_centroids,
+    build_block_schedule,
+    build_topology_token_indices,
+    expand_block_schedule,
+    prioritized_block_schedule_unchecked,
+)
+
+DEVICE = torch.device(os.environ.get("TOPOLOGY_KV_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("TOPOLOGY_KV_TEST_DEVICE=cuda but no CUDA device", allow_module_level=True)
+
+# Lengths that land on partly filled 64-token pages: 1 (one token), 63/64/65 (around
+# one page), 2047/2049 (around the engine's top-k width 2048).
+EDGE_LENGTHS = [1, 63, 64, 65, 2047, 2049]
+
+# The reference averages the very same 16-bit values in float64, so only the sum's
+# rounding differs: fp32 accumulation of 64 values near 100 is off by ~1e-5, while a
+# 16-bit accumulator would be off by ~0.06 (fp16 spacing is 4 at 6400) and fail.
+CENTROID_TOL = {torch.float16: (1e-6, 1e-4), torch.bfloat16: (1e-6, 1e-4), torch.float32: (1e-6, 1e-4)}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def _lengths(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+
+# ---------------------------------------------------------------- hand-computed schedules
+
+
+def test_sink_local_witness_by_drift_hand_computed():
+    # 10 blocks of 4 tokens, length 40: sink {0}, local {9, 8}, witnesses = top-2 drift
+    # among blocks 1..7: drift[3] = 5 and drift[6] = 4 win.
+    cfg = TopologyScheduleConfig(sink_blocks=1, local_blocks=2, witness_blocks=2, block_size=4)
+    drift = torch.tensor([[0, 1, 2, 5, 0, 3, 4, 0, 9, 9]], dtype=torch.float32, device=DEVICE)
+    blocks = build_block_schedule(_lengths(40), cfg, drift)
+    assert blocks.tolist() == [[0, 3, 6, 8, 9]]
+    prio = prioritized_block_schedule_unchecked(_lengths(40), 1, 2, 2, 4, drift)
+    assert prio.tolist() == [[0, 9, 8, 3, 6]], "priority order: sinks, locals newest first, witnesses by drift"
+
+
+def test_drift_ties_go_to_lower_block():
+    cfg = TopologyScheduleConfig(sink_blocks=0, local_blocks=0, witness_blocks=2, block_size=2)
+    drift = torch.tensor([[1.0, 7.0, 7.0, 7.0, 1.0]], device=DEVICE)
+    assert build_block_schedule(_lengths(10), cfg, drift).tolist() == [[1, 2]]
+
+
+def test_witness_fallback_without_drift_is_most_recent_eligible():
+    cfg = TopologyScheduleConfig(sink_blocks=1, local_blocks=2, witness_blocks=2, block_size=4)
+    assert build_block_schedule(_lengths(40), cfg).tolist() == [[0, 6, 7, 8, 9]]
+
+
+def test_overlap_short_row_never_double_counts():
+    # 3 blocks: sink 0; locals want {2, 1} (0 is taken by the sink); no witness left.
+    cfg = TopologyScheduleConfig(sink_blocks=1, local_blocks=3, witness_blocks=2, block_size=4)
+    assert build_block_schedule(_lengths(9), cfg).tolist() == [[0, 1, 2, -1, -1, -1]]
+
+
+def test_single_block_and_partial_last_block():
+    cfg = TopologyScheduleConfig(sink_blocks=1, local_blocks=1, witness_blocks=1, block_size=64)
+    toks = build_topology_token_indices(_lengths(1, 63, 64, 65), cfg)
+    assert toks.shape == (4, 3 * 64)
+    assert toks[0].tolist() == [0] + [-1] * 191
+    assert toks[1].tolist() == list(range(63)) + [-1] * 129
+    assert toks[2].tolist() == list(range(64)) + [-1] * 128
+    # 65 tokens: block 0 (sink) + block 1 holding token 64 (local, partial).
+    assert toks[3].tolist() == list(range(65)) + [-1] * 127
+
+
+def test_budget_larger_than_sequence_keeps_everything_once():
+    cfg = TopologyScheduleConfig.from_token_budget(4096, block_size=64)
+    toks = build_topology_token_indices(_lengths(2047, 2049), cfg)
+    assert toks[0, :2047].tolist() == list(range(2047)) and (toks[0, 2047:] == -1).all()
+    assert toks[1, :2049].tolist() == list(range(2049)) and (toks[1, 2049:] == -1).all()
+
+
+def test_from_token_budget_splits_and_fits():
+    for budget, split in [(64, (1, 0, 0)), (128, (1, 1, 0)), (256, (1, 2, 1)), (1024, (1, 8, 7)), (1000, (1, 7, 7))]:
+        cfg = TopologyScheduleConfig.from_token_budget(budget)
+        assert (cfg.sink_blocks, cfg.local_blocks, cfg.witness_blocks) == split, budget
+        assert cfg.max_tokens <= budget
+
+
+def test_expand_block_schedule_hand_computed():
+    blocks = torch.tensor([[0, 2, -1], [1, -1, -1]], device=DEVICE)
+    toks = expand_block_schedule(blocks, _lengths(10, 7), 4)
+    assert toks.tolist() == [[0, 1, 2, 3, 8, 9] + [-1] * 6, [4, 5, 6] + [-1] * 9]
+
+
+@pytest.mark.parametrize("length", EDGE_LENGTHS)
+def test_edge_lengths_match_reference_and_are_causal(length):
+    cfg = TopologyScheduleConfig(sink_blocks=1, local_blocks=2, witness_blocks=3, block_size=64)
+    n = (length + 63) // 64
+    drift = torch.rand(1, n, generator=_gen(length)).to(DEVICE)
+    toks = build_topology_token_indices(_lengths(length), cfg, drift)
+    blocks = ref.reference_prioritized_blocks(length, 1, 2, 3, 64, drift[0].tolist())
+    expected = ref.reference_token_indices(length, blocks, 64)
+    got = [t for t in toks[0].tolist() if t >= 0]
+    assert got == expected
+    assert max(got) < length
+
+
+# ---------------------------------------------------------------- centroids and drift
+
+
+def test_centroids_partial_block_and_lengths_hand_computed():
+    keys = torch.arange(10, dtype=torch.float32, device=DEVICE).view(10, 1, 1)
+    cents = block_key_centroids(keys, block_size=4)
+    assert cents.flatten().tolist() == [1.5, 5.5, 8.5]  # last block = mean(8, 9)
+    batched = torch.stack([keys, keys])  # [2, 10, 1, 1]
+    cents_b = block_key_centroids(batched, block_size=4, lengths=_lengths(10, 5))
+    assert cents_b[1].flatten().tolist() == [1.5, 4.0, 0.0]  # only token 4 in block 1
+
+
+def test_drift_l2_and_cosine_hand_computed():
+    cents = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]], [[0.0, 3.0]]], device=DEVICE)  # [3, 1, 2]
+    l2 = block_drift_scores(cents, DriftMetric.L2)
+    torch.testing.assert_close(l2.cpu(), torch.tensor([0.0, 2**0.5, 2.0]))
+    cos = block_drift_scores(cents, "COSINE")
+    torch.testing.assert_close(cos.cpu(), torch.tensor([0.0, 1.0, 0.0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_centroid_accumulation_accuracy_16bit(dtype):
+    # 2049 tokens: many fp16 additions would drift without fp32 accumulation.
+    keys = (torch.randn(2049, 2, 8, generator=_gen(3)) + 100.0).to(dtype)
+    got = block_key_centroids(keys.to(DEVICE), 64)
+    assert got.dtype == torch.float32
+    want = ref.reference_block_key_centroids(keys, 64).to(torch.float32)
+    rtol, atol = CENTROID_TOL[dtype]
+    torch.testing.assert_close(got.cpu(), want, rtol=rtol, atol=atol, msg=f"centroids {dtype}")
+    drift = block_drift_scores(got)
+    torch.testing.assert_close(
+        drift.cpu().double(), torch.tensor(ref.reference_drift_l2(want), dtype=torch.float64), rtol=1e-4, atol=1e-4
+    )
+
+
+# ---------------------------------------------------------------- batched, determinism, RNG
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lengths=st.lists(st.integers(min_value=1, max_value=700), min_size=1, max_size=6),
+    sink=st.integers(0, 3),
+    local=st.integers(0, 4),
+    witness=st.integers(0, 5),
+    block_size=st.sampled_from([1, 4, 16, 64]),
+    use_drift=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_batched_equals_per_request_reference(lengths, sink, local, witness, block_size, use_drift, seed):
+    if sink + local + witness == 0:
+        witness = 1
+    cfg = TopologyScheduleConfig(sink, local, witness, block_size)
+    n = (max(lengths) + block_size - 1) // block_size
+    # Integer-valued drift makes ties frequent, so the tie rule is exercised.
+    drift = torch.randint(0, 4, (len(lengths), n), generator=_gen(seed)).float() if use_drift else None
+    L = _lengths(*lengths)
+    toks = build_topology_token_indices(L, cfg, None if drift is None else drift.to(DEVICE)).cpu()
+    assert toks.shape == (len(lengths), cfg.max_tokens)
+    for r, length in enumerate(lengths):
+        blocks = ref.reference_prioritized_blocks(
+            length, sink, local, witness, block_size, None if drift is None else drift[r].tolist()
+        )
+        expected = ref.reference_token_indices(length, blocks, block_size)
+        row = toks[r].tolist()
+        assert row[: len(expected)] == expected, f"row {r} length {length}"
+        assert all(t == -1 for t in row[len(expected) :]), f"row {r}: -1 tail"
+        one = build_topology_token_indices(
+            _lengths(length), cfg, None if drift is None else drift[r : r + 1].to(DEVICE)
+        ).cpu()
+        assert one[0].tolist() == row, "batched == per-request"
+
+
+def test_deterministic_and_global_rng_untouched():
+    state = torch.random.get_rng_state()
+    cfg = TopologyScheduleConfig(1, 2, 3, 16)
+    keys = torch.randn(300, 2, 4, generator=_gen(0)).to(DEVICE)
+    drift = block_drift_scores(block_key_centroids(keys, 16)).unsqueeze(0)
+    a = build_topology_token_indices(_lengths(300), cfg, drift)
+    b = build_topology_token_indices(_lengths(300), cfg, drift)
+    assert torch.equal(a, b)
+    assert torch.equal(state, torch.random.get_rng_state())
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(block_size=-64), "block_size"),
+        (dict(sink_blocks=-1), "sink_blocks"),
+        (dict(local_blocks=-2), "local_blocks"),
+        (dict(witness_blocks=-1), "witness_blocks"),
+        (dict(sink_blocks=0, local_blocks=0, witness_blocks=0), "sink_blocks \\+ local_blocks"),
+    ],
+)
+def test_bad_config_raises_naming_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TopologyScheduleConfig(**kwargs)
+
+
+def test_bad_config_types():
+    with pytest.raises(TypeError, match="block_size"):
+        TopologyScheduleConfig(block_size=64.0)
+    with pytest.raises(ValueError, match="token_budget"):
+        TopologyScheduleConfig.from_token_budget(0)
+    with pytest.raises(ValueError, match="token_budget"):
+        TopologyScheduleConfig.from_token_budget(63, block_size=64)
+
+
+def test_bad_tensors_raise_naming_the_argument():
+    cfg = TopologyScheduleConfig()
+    for bad, match in [(_lengths(0), "lengths"), (_lengths(5, -1), "lengths")]:
+        with pytest.raises(ValueError, match=match):
+            build_block_schedule(bad, cfg)
+    with pytest.raises(TypeError, match="lengths"):
+        build_block_schedule(torch.tensor([3.0], device=DEVICE), cfg)
+    with pytest.raises(ValueError, match="lengths"):
+        build_block_schedule(torch.tensor([[3]], device=DEVICE), cfg)
+    with pytest.raises(ValueError, match="drift_scores"):
+        build_block_schedule(_lengths(200), cfg, torch.zeros(1, 2, device=DEVICE))  # needs 4 blocks
+    with pytest.raises(ValueError, match="keys"):
+        block_key_centroids(torch.zeros(4, 4, device=DEVICE))
+    with pytest.raises(TypeError, match="keys"):
+        block_key_centroids(torch.zeros(4, 1, 4, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="block_size"):
+        block_key_centroids(torch.zeros(4, 1, 4, device=DEVICE), block_size=0)
+    with pytest.raises(ValueError, match="drift metric"):
+        block_drift_scores(torch.zeros(2, 1, 4, device=DEVICE), "manhattan")
+    with pytest.raises(ValueError, match="block_size"):
+        expand_block_schedule(torch.zeros(1, 1, dtype=torch.int64, device=DEVICE), _lengths(3), 0)
+
+
+def test_inputs_not_mutated():
+    lengths = _lengths(100, 37)
+    drift = torch.rand(2, 2, generator=_gen(1)).to(DEVICE)
+    before = (lengths.clone(), drift.clone())
+    build_topology_token_indices(lengths, TopologyScheduleConfig(1, 1, 1, 64), drift)
+    assert torch.equal(lengths, before[0]) and torch.equal(drift, before[1])
