@@ -77,3 +77,104 @@ def pad_rows(rows: Sequence[Sequence[int]], width: int, dtype=torch.int64) -> to
         if row:
             out[r, : len(row)] = torch.tensor(list(row), dtype=dtype)
     return out
+
+
+def reference_topology_policy(
+    topk_indices: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    mode: str,
+    sink_blocks: int,
+    local_blocks: int,
+    witness_blocks: int,
+    block_size: int,
+    max_structural_fraction: float,
+    offsets: Optional[torch.Tensor] = None,
+    drift: Optional[torch.Tensor] = None,
+    learned_scores: Optional[torch.Tensor] = None,
+    scaffold_lengths: Optional[Sequence[int]] = None,
+):
+    """Row-by-row policy with Python sets; returns ``(indices, counters, mismatch_rows)``.
+
+    ``mode`` is a ``TopologyKVPolicyMode`` value string. Semantics as documented in
+    ``topology_kv_policy_core``; written independently of it.
+    """
+    import math
+
+    R, W = topk_indices.shape
+    bs = block_size
+    cap = int(math.floor(W * max_structural_fraction))
+    out = topk_indices.clone()
+    counters = {
+        k: 0
+        for k in (
+            "selected_tokens",
+            "structural_injected_tokens",
+            "learned_kept_tokens",
+            "learned_evicted_tokens",
+            "unselected_tokens",
+            "coordinate_mismatch_fallbacks",
+            "compressed_blocks",
+            "compression_saved_tokens",
+        )
+    }
+    mismatch_rows = []
+    for r in range(R):
+        row = topk_indices[r].tolist()
+        length = int(lengths[r])
+        off = 0 if offsets is None else int(offsets[r])
+        if any(v >= 0 and not (off <= v < off + length) for v in row):
+            mismatch_rows.append(r)
+            counters["coordinate_mismatch_fallbacks"] += 1
+            continue
+        learned = [(j, v - off) for j, v in enumerate(row) if v >= 0]
+        learned_set = {t for _, t in learned}
+        n_wit = (W + bs - 1) // bs + 1 if mode == "topology_only" else witness_blocks
+        drift_row = None if drift is None else drift[r].tolist()
+        blocks = reference_prioritized_blocks(length, sink_blocks, local_blocks, n_wit, bs, drift_row)
+        scaffold = 0 if scaffold_lengths is None else int(scaffold_lengths[r])
+        slots, compressed = [], 0
+        for b in blocks:
+            if mode == "topology_compress_sparse" and (b + 1) * bs <= min(scaffold, length):
+                compressed += 1
+                slots.append(b * bs)
+            else:
+                slots.extend(t for t in range(b * bs, (b + 1) * bs) if t < length)
+        if mode == "topology_only":
+            chosen = list(range(length)) if length <= W else slots[:W]
+            chosen_set = set(chosen)
+            kept = sum(1 for _, t in learned if t in chosen_set)
+            injected = len(chosen) - kept
+            result = chosen
+        else:
+            struct_set = set(slots)
+            n_present = sum(1 for _, t in learned if t in struct_set)
+            new = [s for s in slots if s not in learned_set]
+            n_inj = min(len(new), cap, W - n_present)
+            n_evict = max(0, len(learned) + n_inj - W)
+            candidates = [(j, t) for j, t in learned if t not in struct_set]
+            if learned_scores is None:
+                evicted = {j for j, _ in candidates[len(candidates) - n_evict :]} if n_evict else set()
+            else:
+
+                def score(j):
+                    s = float(learned_scores[r, j])
+                    return float("-inf") if math.isnan(s) else s
+
+                ranked = sorted(candidates, key=lambda jt: (score(jt[0]), -jt[0]))
+                evicted = {j for j, _ in ranked[:n_evict]}
+            kept_tokens = [t for j, t in learned if j not in evicted]
+            kept = len(kept_tokens)
+            injected = n_inj
+            result = kept_tokens + new[:n_inj]
+        out[r] = -1
+        if result:
+            out[r, : len(result)] = torch.tensor([t + off for t in result], dtype=out.dtype)
+        counters["selected_tokens"] += len(result)
+        counters["structural_injected_tokens"] += injected
+        counters["learned_kept_tokens"] += kept
+        counters["learned_evicted_tokens"] += len(learned) - kept
+        counters["unselected_tokens"] += length - len(result)
+        counters["compressed_blocks"] += compressed
+        counters["compression_saved_tokens"] += compressed * (bs - 1)
+    return out, counters, mismatch_rows
