@@ -30,6 +30,7 @@ import torch
 
 from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
     DEFAULT_BLOCK_SIZE,
+    score_sort_keys,
     expand_blocks_unchecked,
     prioritized_block_schedule_unchecked,
 )
@@ -364,6 +365,26 @@ def _scatter_compact(values: torch.Tensor, keep: torch.Tensor, position: torch.T
     return out[:, :width]
 
 
+def _lowest_scored(scores: torch.Tensor, candidate: torch.Tensor, count: torch.Tensor, k_max: int) -> torch.Tensor:
+    """``[R, W]`` bool: the ``count[r]`` candidates with the lowest score (ties: later entry).
+
+    Keys are made unique (order-preserving int view of the fp32 score, then the entry
+    position reversed), so ``topk`` is deterministic; NaN counts as ``-inf``. ``k_max``
+    is a static bound on ``count``.
+    """
+    R, W = candidate.shape
+    if k_max <= 0:
+        return torch.zeros_like(candidate)
+    later_first = W - 1 - torch.arange(W, device=candidate.device, dtype=torch.int64)
+    key = score_sort_keys(scores, later_first)  # ties: the later entry has the lower key
+    key = torch.where(candidate, key, torch.iinfo(torch.int64).max)
+    lowest = torch.topk(key, k_max, dim=1, largest=False, sorted=True).indices  # [R, k]
+    chosen = torch.arange(k_max, device=candidate.device).unsqueeze(0) < count.unsqueeze(1)
+    evict = torch.zeros(R, W + 1, dtype=torch.bool, device=candidate.device)
+    evict.scatter_(1, torch.where(chosen, lowest, W), chosen)
+    return evict[:, :W]
+
+
 def topology_kv_policy_core(
     topk_indices: torch.Tensor,
     lengths: torch.Tensor,
@@ -413,136 +434,123 @@ def topology_kv_policy_core(
       longer rows take the first ``W`` valid slots in priority order (witnesses fill
       the budget, ``witness_blocks`` is ignored).
     """
-    out_dtype = topk_indices.dtype
     device = topk_indices.device
     R, W = topk_indices.shape
     bs = block_size
-    idx = topk_indices.to(torch.int64)
-    lengths = lengths.to(torch.int64)
-    offsets = offsets.to(torch.int64)
-    rel = idx - offsets.unsqueeze(1)  # [R, W]
-    valid = idx >= 0
-    in_range = (rel >= 0) & (rel < lengths.unsqueeze(1))
-    mismatch = (valid & ~in_range).any(dim=1)  # [R]
-    learned = valid & in_range  # [R, W]
-    t = torch.where(learned, rel, torch.zeros_like(rel))
+    # [R, W] work stays in the input's integer dtype (int32 halves the traffic); per-row
+    # scalars are cast to it once. Positions fit: they are < offset + length.
+    idt = topk_indices.dtype
+    x = topk_indices
+    L = lengths.to(idt)
+    off = offsets.to(idt).unsqueeze(1)  # [R, 1]
+    rel = x - off  # [R, W]
+    valid = x >= 0
+    learned = valid & (rel >= 0) & (rel < L.unsqueeze(1))  # [R, W]
+    mismatch = (valid ^ learned).any(dim=1)  # [R] a valid entry outside the interval
 
     only = mode is TopologyKVPolicyMode.TOPOLOGY_ONLY
     n_wit = (W + bs - 1) // bs + 1 if only else witness_blocks
     blocks = prioritized_block_schedule_unchecked(
         lengths, sink_blocks, local_blocks, n_wit, bs, drift
-    )  # [R, Kb] priority order, -1 missing
+    )  # [R, Kb] int64 priority order, -1 missing
     Kb = blocks.shape[1]
     S = Kb * bs
-    slot_tok = expand_blocks_unchecked(blocks, lengths, bs)  # [R, S] token or -1
+    slot_tok = expand_blocks_unchecked(blocks, lengths, bs)  # [R, S] int64 token or -1
 
-    # Compressed blocks: wholly inside the scaffold span and the causal length.
-    if mode is TopologyKVPolicyMode.TOPOLOGY_COMPRESS_SPARSE and scaffold_lengths is not None:
-        span = torch.minimum(scaffold_lengths.to(torch.int64), lengths)  # [R]
+    compress = mode is TopologyKVPolicyMode.TOPOLOGY_COMPRESS_SPARSE and scaffold_lengths is not None
+    if compress:
+        # Blocks wholly inside the scaffold span and the causal length keep one token.
+        span = torch.minimum(scaffold_lengths.to(torch.int64), lengths.to(torch.int64))  # [R]
         compressed = (blocks >= 0) & ((blocks + 1) * bs <= span.unsqueeze(1))  # [R, Kb]
-        within_slot = torch.arange(S, device=device) % bs  # [S]
-        drop = compressed.repeat_interleave(bs, dim=1) & (within_slot.unsqueeze(0) > 0)
-        slot_tok = torch.where(drop, torch.full_like(slot_tok, -1), slot_tok)
+        first_in_block = (torch.arange(S, device=device) % bs) == 0  # [S]
+        keep_slot = ~compressed.repeat_interleave(bs, dim=1) | first_in_block
+        slot_tok = torch.where(keep_slot, slot_tok, -1)
     else:
-        compressed = torch.zeros_like(blocks, dtype=torch.bool)
+        compressed = None
     slot_valid = slot_tok >= 0  # [R, S]
 
-    # Slot of each learned token (arithmetic for sinks/locals, search for witnesses).
-    nb = (lengths + bs - 1) // bs
+    # Column of the scheduled block that holds each learned token: arithmetic for sinks
+    # and locals (contiguous ranges), comparisons (or a search) for the witnesses.
+    nb = (lengths.to(torch.int64) + bs - 1) // bs
     sink_end = torch.clamp(nb, max=sink_blocks)
     local_start = torch.maximum(torch.clamp(nb - local_blocks, min=0), sink_end)
-    bt = t // bs  # [R, W]
-    within = t % bs
-    col = torch.full_like(t, -1)
-    col = torch.where(bt < sink_end.unsqueeze(1), bt, col)
-    is_local = (bt >= local_start.unsqueeze(1)) & (bt < nb.unsqueeze(1))
-    col = torch.where(is_local, sink_blocks + (nb.unsqueeze(1) - 1 - bt), col)
-    if n_wit > 0:
-        wit = blocks[:, sink_blocks + local_blocks :]  # [R, n_wit]
-        big = torch.iinfo(torch.int64).max
-        wit_key = torch.where(wit >= 0, wit, torch.full_like(wit, big))
-        wit_sorted, wit_order = torch.sort(wit_key, dim=1)
+    bt = torch.div(rel, bs, rounding_mode="floor")  # [R, W] block of each entry
+    col = torch.where(bt < sink_end.to(idt).unsqueeze(1), bt, -1)
+    local_col = (sink_blocks - 1) + nb.to(idt).unsqueeze(1) - bt  # = sink + (nb - 1 - bt)
+    col = torch.where(bt >= local_start.to(idt).unsqueeze(1), local_col, col)
+    wit = blocks[:, sink_blocks + local_blocks :].to(idt)  # [R, n_wit]
+    if 0 < n_wit <= 8:
+        for j in range(n_wit):
+            col = torch.where(bt == wit[:, j : j + 1], sink_blocks + local_blocks + j, col)
+    elif n_wit > 8:
+        big = torch.iinfo(idt).max
+        wit_sorted, wit_order = torch.sort(torch.where(wit >= 0, wit, big), dim=1)
         pos = torch.searchsorted(wit_sorted, bt).clamp(max=n_wit - 1)  # [R, W]
         hit = torch.gather(wit_sorted, 1, pos) == bt
-        wit_col = sink_blocks + local_blocks + torch.gather(wit_order, 1, pos)
-        col = torch.where(hit & (col < 0), wit_col, col)
-    slot = col * bs + within  # [R, W] valid where col >= 0
-    is_struct = learned & (col >= 0)
-    slot_c = torch.where(is_struct, slot, torch.zeros_like(slot))
-    is_struct = is_struct & torch.gather(slot_valid, 1, slot_c)  # compressed non-representatives
+        col = torch.where(hit, sink_blocks + local_blocks + torch.gather(wit_order, 1, pos).to(idt), col)
+    is_struct = learned & (col >= 0)  # [R, W] learned entry inside a scheduled block
+    slot = torch.where(is_struct, col * bs + (rel - bt * bs), S).to(torch.int64)  # S = dump slot
+    if compress:
+        is_struct = is_struct & torch.gather(torch.nn.functional.pad(slot_valid, (0, 1)), 1, slot)
+        slot = torch.where(is_struct, slot, S)
     present = torch.zeros(R, S + 1, dtype=torch.bool, device=device)
-    present.scatter_(1, torch.where(is_struct, slot, torch.full_like(slot, S)), torch.ones_like(is_struct))
-    present = present[:, :S]
-    new = slot_valid & ~present  # [R, S]
-    new_rank = _rank_within(new)  # [R, S]
+    present.scatter_(1, slot, True)
+    new = slot_valid & ~present[:, :S]  # [R, S] structural tokens the row lacks
+    new_rank = _rank_within(new)  # [R, S] 1-based, priority order
     n_learned = learned.sum(dim=1)  # [R]
 
     if only:
-        short = lengths <= W  # [R]
+        short = lengths.to(torch.int64) <= W  # [R]
         take = slot_valid & (_rank_within(slot_valid) <= W)  # [R, S] first W valid slots
         out_long = _scatter_compact(slot_tok, take, _rank_within(take) - 1, W)
         ar = torch.arange(W, device=device).unsqueeze(0)
-        out_short = torch.where(ar < lengths.unsqueeze(1), ar, torch.full_like(ar, -1))
-        out_rel = torch.where(short.unsqueeze(1), out_short, out_long)
-        # Learned token kept iff its slot was taken (long rows) or always (short rows).
-        taken_slot = torch.gather(take, 1, slot_c) & is_struct
-        kept = learned & (short.unsqueeze(1) | taken_slot)
-        n_kept = kept.sum(dim=1)
+        out_short = torch.where(ar < lengths.to(torch.int64).unsqueeze(1), ar, -1)
+        out_rel = torch.where(short.unsqueeze(1), out_short, out_long)  # [R, W] int64
+        # A learned entry is kept iff its slot was taken (long rows); short rows keep all.
+        taken_slot = torch.gather(torch.nn.functional.pad(take, (0, 1)), 1, slot)
+        n_kept = (learned & (short.unsqueeze(1) | taken_slot)).sum(dim=1)
         n_selected = (out_rel >= 0).sum(dim=1)
         n_injected = n_selected - n_kept
+        out = torch.where(out_rel >= 0, out_rel.to(idt) + off, -1)
     else:
         n_present = is_struct.sum(dim=1)
         n_inject = torch.minimum(new.sum(dim=1), torch.clamp(W - n_present, max=structural_cap))  # [R]
-        inject = new & (new_rank <= n_inject.unsqueeze(1))
+        inject = new & (new_rank <= n_inject.unsqueeze(1))  # [R, S]
         n_evict = torch.clamp(n_learned + n_inject - W, min=0)  # [R]
-        candidate = learned & ~is_struct  # evictable learned entries
+        candidate = learned & ~is_struct  # [R, W] evictable learned entries
         if learned_scores is None:
-            # Evict the last candidates of the row: rank from the end.
-            from_end = torch.flip(_rank_within(torch.flip(candidate, dims=[1])), dims=[1])
-            evict = candidate & (from_end <= n_evict.unsqueeze(1))
+            # Evict the row's last n_evict candidates: 1-based rank > count - n_evict.
+            cand_rank = _rank_within(candidate)
+            n_cand = cand_rank[:, -1:]
+            evict = candidate & (cand_rank > n_cand - n_evict.unsqueeze(1))
         else:
-            # Unique keys: order-preserving int view of the score, ties -> later entry lower.
-            score = learned_scores.to(torch.float32)
-            score = torch.where(torch.isnan(score), torch.full_like(score, float("-inf")), score) + 0.0  # -0 -> +0
-            bits = score.view(torch.int32).to(torch.int64)
-            ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float
-            later_first = W - 1 - torch.arange(W, device=device, dtype=torch.int64)
-            key = ordered * (1 << 32) + later_first.unsqueeze(0)
-            key = torch.where(candidate, key, torch.full_like(key, torch.iinfo(torch.int64).max))
-            k = min(W, max(structural_cap, 0))
-            if k > 0:
-                lowest = torch.topk(key, k, dim=1, largest=False, sorted=True).indices  # [R, k]
-                ev_rank = torch.arange(k, device=device).unsqueeze(0) < n_evict.unsqueeze(1)
-                evict = torch.zeros(R, W + 1, dtype=torch.bool, device=device)
-                evict.scatter_(1, torch.where(ev_rank, lowest, torch.full_like(lowest, W)), ev_rank)
-                evict = evict[:, :W]
-            else:
-                evict = torch.zeros_like(candidate)
-        kept = learned & ~evict
-        n_kept = kept.sum(dim=1)
-        out_kept = _scatter_compact(rel, kept, _rank_within(kept) - 1, W)
-        inj_pos = n_kept.unsqueeze(1) + new_rank - 1
-        out_inj = _scatter_compact(slot_tok, inject, inj_pos, W)
-        out_rel = torch.where(out_kept >= 0, out_kept, out_inj)
+            evict = _lowest_scored(learned_scores, candidate, n_evict, min(W, max(structural_cap, 0)))
+        kept = learned & ~evict  # [R, W]
+        kept_rank = _rank_within(kept)  # [R, W] 1-based
+        n_kept = kept_rank[:, -1]
+        target = torch.where(kept, kept_rank - 1, W)  # [R, W] int64, W = dump column
+        out = torch.full((R, W + 1), -1, dtype=idt, device=device)
+        out.scatter_(1, target, x)  # kept learned entries, input order (already absolute)
+        inj_target = torch.where(inject, n_kept.unsqueeze(1) + new_rank - 1, W)  # [R, S]
+        out.scatter_(1, inj_target, (slot_tok.to(idt) + off))
+        out = out[:, :W]
         n_injected = n_inject
         n_selected = n_kept + n_inject
 
-    out = torch.where(out_rel >= 0, out_rel + offsets.unsqueeze(1), torch.full_like(out_rel, -1))
-    out = torch.where(mismatch.unsqueeze(1), idx, out).to(out_dtype)
+    out = torch.where(mismatch.unsqueeze(1), x, out)  # contract violations: row unchanged
 
     ok = ~mismatch
-    z = torch.zeros((), dtype=torch.int64, device=device)
 
     def total(per_row: torch.Tensor) -> torch.Tensor:
-        return torch.where(ok, per_row.to(torch.int64), z).sum()
+        return torch.where(ok, per_row.to(torch.int64), 0).sum()
 
-    n_compressed = compressed.sum(dim=1)
+    n_compressed = compressed.sum(dim=1) if compressed is not None else torch.zeros_like(n_learned)
     counters = {
         "selected_tokens": total(n_selected),
         "structural_injected_tokens": total(n_injected),
         "learned_kept_tokens": total(n_kept),
         "learned_evicted_tokens": total(n_learned - n_kept),
-        "unselected_tokens": total(lengths - n_selected),
+        "unselected_tokens": total(lengths.to(torch.int64) - n_selected),
         "coordinate_mismatch_fallbacks": mismatch.sum().to(torch.int64),
         "compressed_blocks": total(n_compressed),
         "compression_saved_tokens": total(n_compressed * (bs - 1)),

@@ -274,6 +274,19 @@ def _sort_ascending_pad_last(ids: torch.Tensor) -> torch.Tensor:
     return torch.where(keyed == big, torch.full_like(keyed, -1), keyed)
 
 
+def score_sort_keys(scores: torch.Tensor, tiebreak: torch.Tensor) -> torch.Tensor:
+    """Unique int64 sort keys: the fp32 score's order-preserving bits, then ``tiebreak``.
+
+    ``tiebreak`` must be in ``[0, 2**32)`` and unique per row; a larger one wins ties.
+    NaN counts as ``-inf`` and ``-0.0`` as ``+0.0``.
+    """
+    s = scores.to(torch.float32)
+    s = torch.where(torch.isnan(s), float("-inf"), s) + 0.0
+    bits = s.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float
+    return ordered * (1 << 32) + tiebreak
+
+
 def witness_fallback_scores(num_blocks: int, device: torch.device) -> torch.Tensor:
     """Scores used when no drift is given: the block index itself (``[N]`` float32).
 
@@ -337,11 +350,13 @@ def prioritized_block_schedule_unchecked(
         else:
             block = torch.arange(n_max, device=device).unsqueeze(0)  # [1, N]
             eligible = (block >= sink_end.unsqueeze(1)) & (block < local_start.unsqueeze(1))  # [R, N]
-            masked = torch.where(eligible, scores, torch.full_like(scores, float("-inf")))
-            # Stable descending sort: among equal scores the lower block index comes first.
-            order = torch.sort(masked, dim=-1, descending=True, stable=True).indices  # [R, N]
             k = min(witness_blocks, n_max)
-            top = order[:, :k]
+            # Unique int64 keys (order-preserving int view of the score, then the block
+            # index reversed) make topk deterministic: ties go to the lower block. O(N)
+            # per row, unlike a full sort.
+            key = score_sort_keys(scores, n_max - 1 - block)
+            key = torch.where(eligible, key, torch.iinfo(torch.int64).min)
+            top = torch.topk(key, k, dim=1, largest=True, sorted=True).indices  # [R, k]
             top_ok = torch.gather(eligible, 1, top)
             wit = torch.where(top_ok, top, -1)
             if k < witness_blocks:
