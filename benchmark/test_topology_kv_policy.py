@@ -63,11 +63,12 @@ def test_sparse_merge_hand_computed_tail_eviction():
     # W=8, block 4, length 40 (10 blocks). Structure: sink block 0 = {0,1,2,3},
     # local block 9 = {36..39}, witness = most recent eligible (no drift) = block 8.
     # Cap = floor(8 * 0.5) = 4. Learned holds 0 and 37 already (free, protected).
-    # New structural in priority order: 1, 2, 3, 36, 38, 39, 32.. -> inject 1, 2, 3, 36.
-    # Overflow 4 -> evict the last 4 non-structural learned entries: 20, 21, 22, 23.
+    # New structural in priority order (locals most recent first): 1, 2, 3, 39, 38,
+    # 36, 32, ... -> inject 1, 2, 3, 39. Overflow 4 -> evict the last 4 non-structural
+    # learned entries (20, 21, 22, 23); the injected tokens take their places in order.
     x = _t([[0, 10, 37, 11, 20, 21, 22, 23]])
     res = apply_topology_kv_policy(x, _t([40]), config=_cfg(MERGE))
-    assert res.indices.tolist() == [[0, 10, 37, 11, 1, 2, 3, 36]]
+    assert res.indices.tolist() == [[0, 10, 37, 11, 1, 2, 3, 39]]
     c = res.counters.to_dict()
     assert c["structural_injected_tokens"] == 4
     assert c["learned_kept_tokens"] == 4 and c["learned_evicted_tokens"] == 4
@@ -79,9 +80,10 @@ def test_sparse_merge_evicts_lowest_scores_ties_to_later_entry():
     x = _t([[10, 11, 12, 13, 14, 15, 16, 17]])
     scores = torch.tensor([[5.0, 1.0, 9.0, 1.0, 7.0, 0.5, 8.0, 6.0]], device=DEVICE)
     cfg = _cfg(MERGE, local_blocks=0, witness_blocks=0, max_structural_fraction=0.25)
-    # Cap 2: inject sink tokens 0, 1; evict 0.5 (15) then the later of the two 1.0s (13).
+    # Cap 2: inject sink tokens 0, 1; evict 0.5 (15) then the later of the two 1.0s (13);
+    # injected tokens fill the holes in eviction order: 15 <- 0, 13 <- 1.
     res = apply_topology_kv_policy(x, _t([40]), config=cfg, learned_scores=scores)
-    assert res.indices.tolist() == [[10, 11, 12, 14, 16, 17, 0, 1]]
+    assert res.indices.tolist() == [[10, 11, 12, 1, 14, 0, 16, 17]]
 
 
 def test_sparse_merge_witness_by_drift_and_offsets():
@@ -102,10 +104,11 @@ def test_topology_only_fills_min_w_length_in_priority_order():
     cfg = _cfg(ONLY, local_blocks=1, witness_blocks=0)
     x = _t([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], _engine_row(7, 10)])
     res = apply_topology_kv_policy(x, _t([40, 7]), config=cfg, block_drift_scores=drift)
-    # Long row: sink 0..3, local 36..39, then witness block 4 (16..19) truncated to 2.
-    assert res.indices[0].tolist() == [0, 1, 2, 3, 36, 37, 38, 39, 16, 17]
-    # Short row (7 <= W): every token, ascending.
-    assert res.indices[1].tolist() == [0, 1, 2, 3, 4, 5, 6, -1, -1, -1]
+    # Long row: sink 0..3, local 39..36 (most recent first), then witness block 4
+    # (16..19) truncated to 2.
+    assert res.indices[0].tolist() == [0, 1, 2, 3, 39, 38, 37, 36, 16, 17]
+    # Short row (7 <= W): every token, in priority order (sink 0..3, local 6..4).
+    assert res.indices[1].tolist() == [0, 1, 2, 3, 6, 5, 4, -1, -1, -1]
     c = res.counters.to_dict()
     assert c["selected_tokens"] == 17 and c["learned_kept_tokens"] == 7
     assert c["structural_injected_tokens"] == 10 and c["learned_evicted_tokens"] == 10
@@ -118,9 +121,10 @@ def test_compress_sparse_hand_computed():
     ctx = TopologyRequestContext(scaffold_token_ids=tuple(range(10)))
     x = _t([[20, 21, 22, 23, 24, 25, -1, -1]])
     res = apply_topology_kv_policy(x, _t([40]), config=cfg, context=ctx)
-    # Structural: 0, 4 (compressed sinks), local block 9 = 36..39 -> 6 new tokens,
-    # 6 learned + 6 new = 12 > 8: evict the last 4 learned entries.
-    assert res.indices.tolist() == [[20, 21, 0, 4, 36, 37, 38, 39]]
+    # Structural: 0, 4 (compressed sinks), local block 9 = 39..36 -> 6 new tokens,
+    # 6 learned + 6 new = 12 > 8: evict the last 4 learned entries (22..25, filled with
+    # 0, 4, 39, 38); the 2 extra injected tokens go to the padding after the 6 valid.
+    assert res.indices.tolist() == [[20, 21, 0, 4, 39, 38, 37, 36]]
     c = res.counters.to_dict()
     assert c["compressed_blocks"] == 2 and c["compression_saved_tokens"] == 6
     assert c["structural_injected_tokens"] == 6 and c["learned_evicted_tokens"] == 4
@@ -143,6 +147,14 @@ def test_raise_names_row_and_value():
         apply_topology_kv_policy(x, _t([3, 9]), config=_cfg(MERGE))
     with pytest.raises(ValueError, match="row 0 holds 3"):
         check_topk_coordinates(_t([[5, 3]]), _t([4]), _t([4]))  # 3 < offset 4
+
+
+def test_padding_before_valid_entries_is_a_violation():
+    with pytest.raises(ValueError, match="row 0 holds 7 at column 2 after padding"):
+        check_topk_coordinates(_t([[1, -1, 7, -1]]), _t([9]))
+    res = apply_topology_kv_policy(_t([[1, -1, 7, -1]]), _t([9]), config=_cfg(MERGE, coordinate_mismatch_action=FALLBACK))
+    assert res.indices.tolist() == [[1, -1, 7, -1]]
+    assert res.counters.to_dict()["coordinate_mismatch_fallbacks"] == 1
 
 
 def test_check_finds_duplicates():
@@ -306,7 +318,8 @@ def policy_cases(draw):
     use_drift = draw(st.booleans())
     scaffold = draw(st.integers(0, 3 * W))
     dtype = draw(st.sampled_from([torch.int32, torch.int64]))
-    return dict(
+    scramble = draw(st.integers(0, 4)) == 0
+    return dict(scramble=scramble,
         W=W, bs=bs, mode=mode, sink=sink, local=local, wit=wit, frac=frac, seed=seed, lengths=lengths,
         offsets=offsets, engine_style=engine_style, use_scores=use_scores, use_drift=use_drift,
         scaffold=scaffold, dtype=dtype,
@@ -322,9 +335,11 @@ def _random_rows(case, gen):
         if case["engine_style"] and length <= W:
             chosen = list(range(length))
         row = [t + off for t in chosen] + [-1] * (W - n)
-        if not case["engine_style"]:  # padding anywhere, arbitrary negative values
-            perm = torch.randperm(W, generator=gen).tolist()
-            row = [row[p] if row[p] >= 0 else -1 - (p % 3) for p in perm]
+        if not case["engine_style"]:  # partly filled rows, arbitrary negative padding
+            row = [v if v >= 0 else -1 - (p % 3) for p, v in enumerate(row)]
+            if case["scramble"]:  # padding before valid entries: a layout violation
+                perm = torch.randperm(W, generator=gen).tolist()
+                row = [row[p] for p in perm]
         rows.append(row)
     return rows
 
@@ -345,6 +360,7 @@ def test_vectorized_equals_reference_and_keeps_contract(case):
     cfg = TopologyKVPolicyConfig(
         policy=case["mode"], sink_blocks=case["sink"], local_blocks=case["local"], witness_blocks=case["wit"],
         block_size=bs, max_structural_fraction=case["frac"],
+        coordinate_mismatch_action=FALLBACK if case["scramble"] else CoordinateMismatchAction.RAISE,
     )
     ctx = TopologyRequestContext(scaffold_token_ids=tuple(range(case["scaffold"])))
     x_dev = x.to(DEVICE)
@@ -353,7 +369,7 @@ def test_vectorized_equals_reference_and_keeps_contract(case):
         block_drift_scores=None if drift is None else drift.to(DEVICE),
         learned_scores=None if scores is None else scores.to(DEVICE), context=ctx,
     )
-    want, counters, _ = ref.reference_topology_policy(
+    want, counters, bad_rows = ref.reference_topology_policy(
         x, L, mode=case["mode"].value, sink_blocks=case["sink"], local_blocks=case["local"],
         witness_blocks=case["wit"], block_size=bs, max_structural_fraction=case["frac"], offsets=off,
         drift=drift, learned_scores=scores, scaffold_lengths=[case["scaffold"]] * R,
@@ -366,6 +382,9 @@ def test_vectorized_equals_reference_and_keeps_contract(case):
     assert got_counters == counters
     for r in range(R):  # output contract
         row = got[r].tolist()
+        if r in bad_rows:  # contract violation in the input: the row comes back unchanged
+            assert row == x[r].tolist()
+            continue
         n = sum(1 for v in row if v >= 0)
         assert all(v >= 0 for v in row[:n]) and all(v == -1 for v in row[n:]), "valid first, -1 tail"
         vals = row[:n]

@@ -58,6 +58,13 @@ def reference_prioritized_blocks(
     return sinks + locals_ + candidates[:witness_blocks]
 
 
+def _locals(length: int, sink_blocks: int, local_blocks: int, block_size: int) -> set:
+    """The local blocks of a row: the newest ``local_blocks`` blocks that are not sinks."""
+    n_blocks = (length + block_size - 1) // block_size
+    sinks = set(range(min(sink_blocks, n_blocks)))
+    return set([b for b in range(n_blocks - 1, -1, -1) if b not in sinks][:local_blocks])
+
+
 def reference_token_indices(length: int, blocks: Sequence[int], block_size: int) -> List[int]:
     """Sorted unique token ids ``< length`` covered by ``blocks``."""
     tokens = set()
@@ -123,7 +130,10 @@ def reference_topology_policy(
         row = topk_indices[r].tolist()
         length = int(lengths[r])
         off = 0 if offsets is None else int(offsets[r])
-        if any(v >= 0 and not (off <= v < off + length) for v in row):
+        n_valid = sum(1 for v in row if v >= 0)
+        out_of_range = any(v >= 0 and not (off <= v < off + length) for v in row)
+        padding_first = any(v >= 0 for v in row[n_valid:])
+        if out_of_range or padding_first:
             mismatch_rows.append(r)
             counters["coordinate_mismatch_fallbacks"] += 1
             continue
@@ -132,20 +142,31 @@ def reference_topology_policy(
         n_wit = (W + bs - 1) // bs + 1 if mode == "topology_only" else witness_blocks
         drift_row = None if drift is None else drift[r].tolist()
         blocks = reference_prioritized_blocks(length, sink_blocks, local_blocks, n_wit, bs, drift_row)
+        n_sink = min(sink_blocks, (length + bs - 1) // bs)
+        n_local = len(_locals(length, sink_blocks, local_blocks, bs))
         scaffold = 0 if scaffold_lengths is None else int(scaffold_lengths[r])
-        slots, compressed = [], 0
-        for b in blocks:
+        compressed = 0
+
+        def tokens_of(b):
+            nonlocal compressed
             if mode == "topology_compress_sparse" and (b + 1) * bs <= min(scaffold, length):
                 compressed += 1
-                slots.append(b * bs)
-            else:
-                slots.extend(t for t in range(b * bs, (b + 1) * bs) if t < length)
+                return [b * bs]
+            return [t for t in range(b * bs, (b + 1) * bs) if t < length]
+
+        sink_toks = [t for b in blocks[:n_sink] for t in tokens_of(b)]
+        local_toks = sorted((t for b in blocks[n_sink : n_sink + n_local] for t in tokens_of(b)), reverse=True)
+        wit_toks = [t for b in blocks[n_sink + n_local :] for t in tokens_of(b)]
+        slots = sink_toks + local_toks + wit_toks  # priority order
         if mode == "topology_only":
-            chosen = list(range(length)) if length <= W else slots[:W]
+            chosen = slots[:W]  # covers every token when length <= W
             chosen_set = set(chosen)
             kept = sum(1 for _, t in learned if t in chosen_set)
             injected = len(chosen) - kept
-            result = chosen
+            out[r] = -1
+            if chosen:
+                out[r, : len(chosen)] = torch.tensor([t + off for t in chosen], dtype=out.dtype)
+            n_selected = len(chosen)
         else:
             struct_set = set(slots)
             n_present = sum(1 for _, t in learned if t in struct_set)
@@ -154,7 +175,7 @@ def reference_topology_policy(
             n_evict = max(0, len(learned) + n_inj - W)
             candidates = [(j, t) for j, t in learned if t not in struct_set]
             if learned_scores is None:
-                evicted = {j for j, _ in candidates[len(candidates) - n_evict :]} if n_evict else set()
+                holes = [j for j, _ in candidates[len(candidates) - n_evict :]] if n_evict else []
             else:
 
                 def score(j):
@@ -162,19 +183,21 @@ def reference_topology_policy(
                     return float("-inf") if math.isnan(s) else s
 
                 ranked = sorted(candidates, key=lambda jt: (score(jt[0]), -jt[0]))
-                evicted = {j for j, _ in ranked[:n_evict]}
-            kept_tokens = [t for j, t in learned if j not in evicted]
-            kept = len(kept_tokens)
+                holes = [j for j, _ in ranked[:n_evict]]
+            result = [v if v >= 0 else -1 for v in row]
+            for k, pos in enumerate(holes):
+                result[pos] = new[k] + off
+            for e in range(n_evict, n_inj):
+                result[n_valid + e - n_evict] = new[e] + off
+            out[r] = torch.tensor(result, dtype=out.dtype)
+            kept = len(learned) - n_evict
             injected = n_inj
-            result = kept_tokens + new[:n_inj]
-        out[r] = -1
-        if result:
-            out[r, : len(result)] = torch.tensor([t + off for t in result], dtype=out.dtype)
-        counters["selected_tokens"] += len(result)
+            n_selected = kept + n_inj
+        counters["selected_tokens"] += n_selected
         counters["structural_injected_tokens"] += injected
         counters["learned_kept_tokens"] += kept
         counters["learned_evicted_tokens"] += len(learned) - kept
-        counters["unselected_tokens"] += length - len(result)
+        counters["unselected_tokens"] += length - n_selected
         counters["compressed_blocks"] += compressed
         counters["compression_saved_tokens"] += compressed * (bs - 1)
     return out, counters, mismatch_rows

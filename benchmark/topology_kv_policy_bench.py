@@ -1,0 +1,273 @@
+"""Policy overhead benchmark: apply_topology_kv_policy beside what it rides on.
+
+For each mode, row count ``R`` and context length ``L`` (width ``W`` = 2048) it times,
+side by side in one process:
+
+* ``policy``     the vectorized policy (``FALLBACK_DISABLED``: no host sync), eager;
+* ``topk``       ``torch.topk`` over ``[R, L]`` fp32 indexer logits (the op the policy
+                 follows; skipped above ``--max-topk-elements`` to bound memory);
+* ``copy``       a plain copy of the ``[R, W]`` index rows (the memory-traffic floor);
+* ``reference``  the plain loop reference on ``--reference-rows`` rows, scaled to ``R``.
+
+Input rows are synthetic but valid: ``W`` unique positions per row spread over ``[0, L)``
+in random order (the engine's top-k order is arbitrary), drift scores and learned scores
+uniform. Prints a TSV table, the issue's targets with PASS/FAIL, and ``--json``.
+
+    python benchmark/topology_kv_policy_bench.py --rows 1024 --lengths 8192 131072
+    bazel run //benchmark:topology_kv_policy_bench -- --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from benchmark import topology_kv_reference as ref
+from rtp_llm.models_py.modules.hybrid.topology_kv_policy import (
+    CoordinateMismatchAction,
+    TopologyKVPolicyConfig,
+    TopologyKVPolicyMode,
+    apply_topology_kv_policy,
+)
+
+ENABLED_MODES = [m.value for m in TopologyKVPolicyMode if m is not TopologyKVPolicyMode.DISABLED]
+COLUMNS = [
+    "mode", "rows", "seq_len", "width", "learned_scores", "policy_ms", "policy_p10_ms", "policy_p90_ms",
+    "topk_ms", "copy_ms", "reference_ms", "policy_over_topk", "policy_over_copy", "per_row_us",
+]
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[256, 1024, 4096], help="rows R per call")
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768, 131072], help="context L")
+    p.add_argument("--width", type=int, default=2048, help="top-k width W")
+    p.add_argument("--modes", nargs="+", default=ENABLED_MODES, help=f"subset of {ENABLED_MODES}")
+    p.add_argument("--learned-scores", choices=["with", "without", "both"], default="both")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reference-rows", type=int, default=8, help="rows the loop reference is timed on")
+    p.add_argument("--max-topk-elements", type=int, default=1 << 28, help="skip topk above R*L")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny grid for a smoke run")
+    p.add_argument("--json", default=None, help="write rows and environment to this path")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.lengths, args.rounds, args.warmup, args.reference_rows = [64], [4096, 16384], 3, 1, 2
+    for name in ("rows", "lengths"):
+        bad = [v for v in getattr(args, name) if v <= 0]
+        if bad:
+            p.error(f"--{name}: expected positive integers, got {bad}")
+    if args.width <= 0:
+        p.error(f"--width: expected > 0, got {args.width}")
+    unknown = [m for m in args.modes if m.lower() not in ENABLED_MODES]
+    if unknown:
+        p.error(f"--modes: expected a subset of {ENABLED_MODES}, got {unknown}")
+    if args.rounds < 1 or args.warmup < 0:
+        p.error(f"--rounds >= 1 and --warmup >= 0 expected, got {args.rounds}, {args.warmup}")
+    args.device = resolve_device(args.device, p)
+    return args
+
+
+def resolve_device(name: str, parser: argparse.ArgumentParser) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    if name not in ("cpu", "cuda"):
+        parser.error(f"--device: expected cpu, cuda or auto, got {name!r}")
+    return torch.device(name)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, rounds: int, warmup: int) -> List[float]:
+    """Per-call wall times in ms (CUDA events on GPU), after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def synthetic_rows(rows: int, length: int, width: int, gen: torch.Generator) -> torch.Tensor:
+    """``[rows, width]`` int32: unique positions in ``[0, length)``, random order.
+
+    Rows with ``length <= width`` follow the engine convention (``0..length-1``, ``-1``).
+    """
+    if length <= width:
+        ar = torch.arange(width)
+        return torch.where(ar < length, ar, -1).to(torch.int32).expand(rows, width).contiguous()
+    stride = length // width  # one position per stride window: unique and in range
+    base = torch.arange(width) * stride
+    pos = base.unsqueeze(0) + torch.randint(0, stride, (rows, width), generator=gen)
+    order = torch.argsort(torch.rand(rows, width, generator=gen), dim=1)
+    return torch.gather(pos, 1, order).to(torch.int32)
+
+
+def _pct(values: List[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+
+
+def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
+    device = args.device
+    gen = torch.Generator().manual_seed(args.seed)
+    W = args.width
+    results = []
+    cells = [(R, L) for R in args.rows for L in args.lengths]
+    for ci, (R, L) in enumerate(cells):
+        x = synthetic_rows(R, L, W, gen).to(device)
+        lengths = torch.full((R,), L, dtype=torch.int32, device=device)
+        drift = torch.rand(R, (L + 63) // 64, generator=gen).to(device)
+        scores = torch.rand(R, W, generator=gen).to(device)
+        copy_out = torch.empty_like(x)
+        copy_ms = statistics.median(time_ms(lambda: copy_out.copy_(x), device, args.rounds, args.warmup))
+        topk_ms = None
+        if R * L <= args.max_topk_elements:
+            logits = torch.randn(R, L, generator=gen).to(device)
+            k = min(W, L)
+            topk_ms = statistics.median(
+                time_ms(lambda: torch.topk(logits, k, dim=1), device, max(1, args.rounds // 2), 1)
+            )
+            del logits
+        score_opts = {"with": [True], "without": [False], "both": [False, True]}[args.learned_scores]
+        for mode in args.modes:
+            cfg = TopologyKVPolicyConfig(
+                policy=mode, coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED
+            )
+            for use_scores in score_opts:
+                s = scores if use_scores else None
+
+                def call():
+                    return apply_topology_kv_policy(
+                        x, lengths, config=cfg, block_drift_scores=drift, learned_scores=s, validate=False
+                    )
+
+                times = time_ms(call, device, args.rounds, args.warmup)
+                policy_ms = statistics.median(times)
+                n_ref = min(R, args.reference_rows)
+                xr, lr = x[:n_ref].cpu(), lengths[:n_ref].cpu()
+                dr, sr = drift[:n_ref].cpu(), None if s is None else s[:n_ref].cpu()
+                t0 = time.perf_counter()
+                ref.reference_topology_policy(
+                    xr, lr, mode=cfg.policy.value, sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks,
+                    witness_blocks=cfg.witness_blocks, block_size=cfg.block_size,
+                    max_structural_fraction=cfg.max_structural_fraction, drift=dr, learned_scores=sr,
+                )
+                reference_ms = (time.perf_counter() - t0) * 1e3 * R / n_ref
+                row = {
+                    "mode": cfg.policy.value,
+                    "rows": R,
+                    "seq_len": L,
+                    "width": W,
+                    "learned_scores": use_scores,
+                    "policy_ms": policy_ms,
+                    "policy_p10_ms": _pct(times, 0.1),
+                    "policy_p90_ms": _pct(times, 0.9),
+                    "topk_ms": topk_ms,
+                    "copy_ms": copy_ms,
+                    "reference_ms": reference_ms,
+                    "policy_over_topk": None if topk_ms is None else policy_ms / topk_ms,
+                    "policy_over_copy": policy_ms / copy_ms if copy_ms > 0 else None,
+                    "per_row_us": policy_ms * 1e3 / R,
+                }
+                results.append(row)
+        log(f"[policy-bench] cell {ci + 1}/{len(cells)} rows={R} seq_len={L} done", file=sys.stderr)
+    return results
+
+
+def evaluate_targets(results: List[Dict[str, object]]) -> List[Dict[str, object]]:
+    """The issue's three targets per mode (and learned-scores setting), from the rows."""
+    checks = []
+    keys = sorted({(r["mode"], r["learned_scores"]) for r in results})
+    for mode, scored in keys:
+        rows = [r for r in results if r["mode"] == mode and r["learned_scores"] == scored]
+        at = {(r["rows"], r["seq_len"]): r for r in rows}
+        tag = f"{mode} scores={'yes' if scored else 'no'}"
+        cell = at.get((1024, 8192))
+        if cell is not None and cell["topk_ms"]:
+            checks.append(dict(target=f"{tag}: policy <= 10% of topk at 1024x8k",
+                               value=cell["policy_over_topk"], bound=0.10,
+                               passed=cell["policy_over_topk"] <= 0.10))
+        if cell is not None:
+            checks.append(dict(target=f"{tag}: policy <= 8x copy floor at 1024x8k",
+                               value=cell["policy_over_copy"], bound=8.0, passed=cell["policy_over_copy"] <= 8.0))
+        for R in sorted({r["rows"] for r in rows}):
+            a, b = at.get((R, 8192)), at.get((R, 131072))
+            if a and b:
+                ratio = b["per_row_us"] / a["per_row_us"]
+                checks.append(dict(target=f"{tag}: per-row time 128k / 8k at R={R} <= 2", value=ratio,
+                                   bound=2.0, passed=ratio <= 2.0))
+    return checks
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def environment(device: torch.device) -> Dict[str, object]:
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    results = run(args)
+    print("\t".join(COLUMNS))
+    for r in results:
+        print("\t".join(_fmt(r[c]) for c in COLUMNS))
+    checks = evaluate_targets(results)
+    for c in checks:
+        print(f"{'PASS' if c['passed'] else 'FAIL'}\t{c['target']}\t{c['value']:.3f} (bound {c['bound']})")
+    if args.json:
+        path = args.json
+        if not os.path.isabs(path) and os.environ.get("BUILD_WORKING_DIRECTORY"):
+            path = os.path.join(os.environ["BUILD_WORKING_DIRECTORY"], path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        payload = {"environment": environment(args.device), "args": {k: str(v) for k, v in vars(args).items()},
+                   "rows": results, "targets": checks}
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
