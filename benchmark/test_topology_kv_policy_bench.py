@@ -1,0 +1,57 @@
+"""Smoke test of the policy overhead benchmark: runs a tiny grid, checks the output."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from benchmark import topology_kv_policy_bench as bench
+
+DEVICE = os.environ.get("TOPOLOGY_KV_TEST_DEVICE", "cpu")  # "cuda" in the _cuda_manual target
+
+
+def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
+    path = tmp_path / "policy.json"
+    rc = bench.main(
+        ["--rows", "4", "--lengths", "8192", "--width", "64", "--rounds", "2", "--warmup", "0",
+         "--reference-rows", "2", "--json", str(path), "--device", DEVICE]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split("\t") == bench.COLUMNS
+    rows = [line.split("\t") for line in out[1:] if not line.startswith(("PASS", "FAIL"))]
+    assert len(rows) == 3 * 2  # three modes, with and without learned scores
+    payload = json.loads(path.read_text())
+    assert payload["environment"]["torch"] == torch.__version__
+    for row in payload["rows"]:
+        assert row["policy_ms"] > 0 and row["copy_ms"] > 0 and row["topk_ms"] > 0
+        assert row["policy_over_topk"] == pytest.approx(row["policy_ms"] / row["topk_ms"])
+
+
+def test_synthetic_rows_are_valid_engine_rows():
+    gen = torch.Generator().manual_seed(0)
+    rows = bench.synthetic_rows(3, 1000, 64, gen)
+    assert rows.dtype == torch.int32 and rows.shape == (3, 64)
+    for r in rows.tolist():
+        assert len(set(r)) == 64 and all(0 <= v < 1000 for v in r)
+    short = bench.synthetic_rows(2, 10, 16, gen)
+    assert short[0].tolist() == list(range(10)) + [-1] * 6
+
+
+@pytest.mark.parametrize("argv, flag", [(["--rows", "0"], "--rows"), (["--width", "-1"], "--width"),
+                                        (["--modes", "bogus"], "--modes")])
+def test_bad_flags_name_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert flag in capsys.readouterr().err
+
+
+def test_cuda_without_gpu_is_a_clear_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cuda"])
+    assert "--device cuda" in capsys.readouterr().err
