@@ -292,7 +292,8 @@ class IndexerAttentionInputs:
     is_draft_extend: bool = False
 
     def __post_init__(self) -> None:
-        _check_param("attention_inputs", "kv_cache_kernel_block_id_device", self.kv_cache_kernel_block_id_device, torch.int32, 2)
+        table = self.kv_cache_kernel_block_id_device
+        _check_param("attention_inputs", "kv_cache_kernel_block_id_device", table, torch.int32, 2)
         for name in ("cu_kv_seqlens_device", "decode_cu_seqlens_device"):
             if getattr(self, name) is not None:
                 _check_param("attention_inputs", name, getattr(self, name), torch.int32, 1)
@@ -798,7 +799,7 @@ class Indexer(nn.Module):
         return (
             cp_params.precomputed_lengths,
             cp_params.precomputed_topk_off,
-            self._prefill_row_to_request(cp_params.precomputed_ks, cu) * 0,
+            self._prefill_row_to_request(cp_params.precomputed_ks, cu),
             cu.shape[0] - 1,
         )
 
