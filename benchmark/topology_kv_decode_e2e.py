@@ -17,7 +17,9 @@ Rows whose length is ``<= W`` attend to everything (the engine's convention), so
 budget covering the context reproduces dense decode. Per variant and context: per-token
 latency (median, p90) split into indexer, policy, attention (gather + softmax) and the
 rest of the model; KV bytes read per step (modelled: fp32 K/V, 1-byte fp8 indexer keys
-as in DSA); peak RSS; tokens/s; greedy tokens and where they first differ from dense.
+as in DSA); peak RSS of the decode phase (all variants together); tokens/s; greedy tokens
+and where they first differ from dense. Variants decode interleaved, one step of each in
+turn, so a shared, noisy machine slows them alike and the ratios stay meaningful.
 
     python benchmark/topology_kv_decode_e2e.py --contexts 2048 --new-tokens 8
     bazel run //benchmark:topology_kv_decode_e2e -- --quick
@@ -294,28 +296,48 @@ def prefill(model, prompt: torch.Tensor, capacity: int) -> tuple:
 
 
 @torch.no_grad()
+def decode_step(model, caches: Dict[int, LayerCache], token: int, position: int, variant: str, width: int,
+                policy: Optional[TopologyKVPolicyConfig]):
+    """One greedy step at ``position``: (next token, timings of this step)."""
+    plan = DecodePlan(variant, width=width, caches=caches, position=position, policy=policy)
+    ids = torch.tensor([[token]])
+    pos = torch.tensor([[position]])
+    t0 = time.perf_counter()
+    out = model(input_ids=ids, position_ids=pos, use_cache=False, **{PLAN_KWARG: plan})
+    nxt = int(out.logits[0, -1].argmax())
+    total = time.perf_counter() - t0
+    timers = dict(plan.timers)
+    timers["rest"] = max(0.0, total - sum(timers[p] for p in PARTS if p != "rest"))
+    step = {"total_s": total, **{f"{p}_s": timers[p] for p in PARTS}, "selected_tokens": plan.selected_tokens,
+            "scanned_keys": plan.scanned_keys}
+    return nxt, step
+
+
 def decode(model, caches: Dict[int, LayerCache], first_token: int, start: int, steps: int, variant: str, width: int):
-    """Greedy decode ``steps`` tokens from ``caches`` (modified); per-step timings and tokens."""
-    policy = variant_policy(variant)
-    tokens = [first_token]
-    per_step = []
-    token = first_token
+    """Greedy decode ``steps`` tokens from ``caches`` (modified); (tokens, per-step timings)."""
+    return decode_interleaved(model, {variant: caches}, first_token, start, steps, width)[variant]
+
+
+def decode_interleaved(model, caches_by_variant: Dict[str, Dict[int, LayerCache]], first_token: int, start: int,
+                       steps: int, width: int, on_step=None):
+    """Decode every variant from its own cache, one step of each in turn.
+
+    Interleaving puts every variant under the same machine conditions, so ratios to
+    ``dense`` stay meaningful on a shared, noisy machine. Returns
+    ``{variant: (tokens, per-step timings)}``.
+    """
+    state = {v: {"token": first_token, "tokens": [first_token], "steps": [], "policy": variant_policy(v)}
+             for v in caches_by_variant}
     for i in range(steps):
-        plan = DecodePlan(variant, width=width, caches=caches, position=start + i, policy=policy)
-        ids = torch.tensor([[token]])
-        pos = torch.tensor([[start + i]])
-        t0 = time.perf_counter()
-        out = model(input_ids=ids, position_ids=pos, use_cache=False, **{PLAN_KWARG: plan})
-        token = int(out.logits[0, -1].argmax())
-        total = time.perf_counter() - t0
-        timers = dict(plan.timers)
-        timers["rest"] = max(0.0, total - sum(timers[p] for p in PARTS if p != "rest"))
-        per_step.append(
-            {"total_s": total, **{f"{p}_s": timers[p] for p in PARTS}, "selected_tokens": plan.selected_tokens,
-             "scanned_keys": plan.scanned_keys}
-        )
-        tokens.append(token)
-    return tokens[:steps], per_step
+        for variant, caches in caches_by_variant.items():
+            st = state[variant]
+            nxt, step = decode_step(model, caches, st["token"], start + i, variant, width, st["policy"])
+            st["steps"].append(step)
+            st["token"] = nxt
+            st["tokens"].append(nxt)
+        if on_step is not None:
+            on_step(i)
+    return {v: (st["tokens"][:steps], st["steps"]) for v, st in state.items()}
 
 
 def kv_bytes_per_step(step: Dict[str, float], Hkv: int, D: int) -> int:
@@ -427,30 +449,34 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is pinned in requirements.txt
         tqdm = None
-    total = len(args.contexts) * len(args.variants)
-    bar = None if (tqdm is None or args.no_progress) else tqdm(total=total, desc="decode e2e", file=sys.stderr)
+    total = len(args.contexts) * args.new_tokens
+    bar = None if (tqdm is None or args.no_progress) else tqdm(total=total, desc="decode e2e steps", file=sys.stderr)
     for context in args.contexts:
         prompt = torch.tensor([prompt_tokens(loaded, args.novel, context, args.data_dir)])
         capacity = context + args.new_tokens + 1
         caches, first, prefill_s = prefill(model, prompt, capacity)
         log(f"[e2e] context {context}: dense prefill {prefill_s:.1f} s")
-        dense_tokens = None
-        for variant in args.variants:
-            work = {i: c.clone() for i, c in caches.items()}
-            _rss_peak_reset()
-            tokens, steps = decode(model, work, first, context, args.new_tokens, variant, args.budget)
-            row = summarize(
-                variant, context, steps, tokens, dense_tokens, Hkv, D, _rss_peak_bytes(), args.budget, args.warmup
-            )
-            row["prefill_s"] = prefill_s
-            if variant == "dense":
-                dense_tokens = tokens
-                row["first_divergence"], row["matches_dense"] = None, True
-            rows.append(row)
-            del work
+        work = {v: {i: c.clone() for i, c in caches.items()} for v in args.variants}
+        del caches
+        _rss_peak_reset()
+
+        def on_step(i, context=context):
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(context=context, variant=variant)
+                bar.set_postfix(context=context)
+
+        decoded = decode_interleaved(model, work, first, context, args.new_tokens, args.budget, on_step)
+        peak = _rss_peak_bytes()  # all variants decode together: one peak for the context
+        dense_tokens = decoded["dense"][0]
+        for variant in args.variants:
+            tokens, steps = decoded[variant]
+            row = summarize(variant, context, steps, tokens, None if variant == "dense" else dense_tokens,
+                            Hkv, D, peak, args.budget, args.warmup)
+            row["prefill_s"] = prefill_s
+            if variant == "dense":
+                row["first_divergence"], row["matches_dense"] = None, True
+            rows.append(row)
+        del work
     if bar is not None:
         bar.close()
     for row in rows:  # ratios to the dense row of the same context, measured in this run
