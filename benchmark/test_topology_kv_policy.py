@@ -114,6 +114,28 @@ def test_topology_only_fills_min_w_length_in_priority_order():
     assert c["structural_injected_tokens"] == 10 and c["learned_evicted_tokens"] == 10
 
 
+def test_token_sinks_hand_computed():
+    # sink_tokens=2: sinks are tokens 0, 1; local block 9 = 39..36; witness = most recent
+    # eligible block (8). Cap 8 * 0.5 = 4.
+    cfg = _cfg(MERGE, sink_tokens=2)
+    x = _t([[10, 11, 12, 13, 14, 15, 16, 17]])
+    res = apply_topology_kv_policy(x, _t([40]), config=cfg)
+    assert res.indices.tolist() == [[10, 11, 12, 13, 0, 1, 39, 38]]
+    # Block 0 holds the sinks in part; its other tokens (2, 3) may still be a witness.
+    # Length 6: sinks 0, 1; local block 1 = 5, 4 (5 present); witness block 0 = 2, 3.
+    res = apply_topology_kv_policy(_t([[5, -1, -1, -1, -1, -1, -1, -1]]), _t([6]), config=cfg)
+    assert res.indices.tolist() == [[5, 0, 1, 4, 2, -1, -1, -1]]  # cap 4 stops before 3
+
+
+def test_scaled_budget_hand_computed():
+    # W=8, fixed cap 4; scaled at length 16: 4 * 8 // 16 = 2 injected tokens.
+    cfg = _cfg(MERGE, structural_budget="scaled")
+    x = _t([[8, 9, 10, 11, 4, 5, 6, 7]])
+    res = apply_topology_kv_policy(x, _t([16]), config=cfg)
+    assert res.indices.tolist() == [[8, 9, 10, 11, 4, 5, 0, 1]]
+    assert res.counters.to_dict()["structural_injected_tokens"] == 2
+
+
 def test_compress_sparse_hand_computed():
     # Scaffold = first 10 tokens: block 0 ([0, 4)) and block 1 ([4, 8)) lie wholly in
     # it, block 2 does not. Sinks = blocks 0, 1 -> one token each (0 and 4).
@@ -247,8 +269,11 @@ def test_mode_parsing_case_insensitive(name):
         (
             dict(policy="topology_sparse_merge", sink_blocks=0, local_blocks=0, witness_blocks=0),
             ValueError,
-            "sink_blocks \\+ local_blocks",
+            "sink_blocks \\(or sink_tokens\\) \\+ local_blocks",
         ),
+        (dict(sink_tokens=-1), ValueError, "sink_tokens"),
+        (dict(sink_tokens=2.0), TypeError, "sink_tokens"),
+        (dict(structural_budget="elastic"), ValueError, "structural_budget: expected one of \\[fixed, scaled\\]"),
     ],
 )
 def test_bad_config_values(kwargs, exc, match):
@@ -308,7 +333,7 @@ def policy_cases(draw):
     mode = draw(st.sampled_from(ENABLED_MODES))
     sink, local, wit = draw(st.integers(0, 2)), draw(st.integers(0, 3)), draw(st.integers(0, 3))
     if sink + local + wit == 0:
-        sink = 1
+        sink, local = 1, 1  # stays valid when sink_tokens=0 replaces the sink blocks
     frac = draw(st.sampled_from([0.1, 0.25, 0.5, 1.0]))
     seed = draw(st.integers(0, 2**20))
     lengths = [draw(st.integers(1, 6 * W)) for _ in range(R)]
@@ -319,7 +344,11 @@ def policy_cases(draw):
     scaffold = draw(st.integers(0, 3 * W))
     dtype = draw(st.sampled_from([torch.int32, torch.int64]))
     scramble = draw(st.integers(0, 4)) == 0
-    return dict(scramble=scramble,
+    sink_tokens = draw(st.one_of(st.none(), st.integers(0, 9)))
+    if sink_tokens == 0 and local + wit == 0:
+        local = 1  # a config with no structure at all is rejected (tested elsewhere)
+    scaled = draw(st.booleans())
+    return dict(scramble=scramble, sink_tokens=sink_tokens, scaled=scaled,
         W=W, bs=bs, mode=mode, sink=sink, local=local, wit=wit, frac=frac, seed=seed, lengths=lengths,
         offsets=offsets, engine_style=engine_style, use_scores=use_scores, use_drift=use_drift,
         scaffold=scaffold, dtype=dtype,
@@ -361,6 +390,7 @@ def test_vectorized_equals_reference_and_keeps_contract(case):
         policy=case["mode"], sink_blocks=case["sink"], local_blocks=case["local"], witness_blocks=case["wit"],
         block_size=bs, max_structural_fraction=case["frac"],
         coordinate_mismatch_action=FALLBACK if case["scramble"] else CoordinateMismatchAction.RAISE,
+        sink_tokens=case["sink_tokens"], structural_budget="scaled" if case["scaled"] else "fixed",
     )
     ctx = TopologyRequestContext(scaffold_token_ids=tuple(range(case["scaffold"])))
     x_dev = x.to(DEVICE)
@@ -373,6 +403,7 @@ def test_vectorized_equals_reference_and_keeps_contract(case):
         x, L, mode=case["mode"].value, sink_blocks=case["sink"], local_blocks=case["local"],
         witness_blocks=case["wit"], block_size=bs, max_structural_fraction=case["frac"], offsets=off,
         drift=drift, learned_scores=scores, scaffold_lengths=[case["scaffold"]] * R,
+        sink_tokens=case["sink_tokens"], scaled_budget=case["scaled"],
     )
     got = res.indices.cpu()
     assert got.dtype == x.dtype and got.shape == x.shape

@@ -100,6 +100,8 @@ def reference_topology_policy(
     drift: Optional[torch.Tensor] = None,
     learned_scores: Optional[torch.Tensor] = None,
     scaffold_lengths: Optional[Sequence[int]] = None,
+    sink_tokens: Optional[int] = None,
+    scaled_budget: bool = False,
 ):
     """Row-by-row policy with Python sets; returns ``(indices, counters, mismatch_rows)``.
 
@@ -141,20 +143,26 @@ def reference_topology_policy(
         learned_set = {t for _, t in learned}
         n_wit = (W + bs - 1) // bs + 1 if mode == "topology_only" else witness_blocks
         drift_row = None if drift is None else drift[r].tolist()
-        blocks = reference_prioritized_blocks(length, sink_blocks, local_blocks, n_wit, bs, drift_row)
-        n_sink = min(sink_blocks, (length + bs - 1) // bs)
-        n_local = len(_locals(length, sink_blocks, local_blocks, bs))
+        n_blocks = (length + bs - 1) // bs
+        sink_blk = sink_blocks if sink_tokens is None else sink_tokens // bs  # blocks wholly sinks
+        blocks = reference_prioritized_blocks(length, sink_blk, local_blocks, n_wit, bs, drift_row)
+        n_sink = min(sink_blk, n_blocks)
+        n_local = len(_locals(length, sink_blk, local_blocks, bs))
         scaffold = 0 if scaffold_lengths is None else int(scaffold_lengths[r])
         compressed = 0
 
         def tokens_of(b):
             nonlocal compressed
-            if mode == "topology_compress_sparse" and (b + 1) * bs <= min(scaffold, length):
+            holds_sinks = b * bs < (sink_tokens or 0)
+            if mode == "topology_compress_sparse" and (b + 1) * bs <= min(scaffold, length) and not holds_sinks:
                 compressed += 1
                 return [b * bs]
-            return [t for t in range(b * bs, (b + 1) * bs) if t < length]
+            return [t for t in range(b * bs, (b + 1) * bs) if t < length and t >= (sink_tokens or 0)]
 
-        sink_toks = [t for b in blocks[:n_sink] for t in tokens_of(b)]
+        if sink_tokens is None:
+            sink_toks = [t for b in blocks[:n_sink] for t in tokens_of(b)]
+        else:  # token sinks: never compressed, never counted as blocks
+            sink_toks = list(range(min(sink_tokens, length)))
         local_toks = sorted((t for b in blocks[n_sink : n_sink + n_local] for t in tokens_of(b)), reverse=True)
         wit_toks = [t for b in blocks[n_sink + n_local :] for t in tokens_of(b)]
         slots = sink_toks + local_toks + wit_toks  # priority order
@@ -171,7 +179,8 @@ def reference_topology_policy(
             struct_set = set(slots)
             n_present = sum(1 for _, t in learned if t in struct_set)
             new = [s for s in slots if s not in learned_set]
-            n_inj = min(len(new), cap, W - n_present)
+            row_cap = cap * W // max(length, W) if scaled_budget else cap
+            n_inj = min(len(new), row_cap, W - n_present)
             n_evict = max(0, len(learned) + n_inj - W)
             candidates = [(j, t) for j, t in learned if t not in struct_set]
             if learned_scores is None:

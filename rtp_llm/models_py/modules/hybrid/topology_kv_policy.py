@@ -61,6 +61,17 @@ class CoordinateMismatchAction(enum.Enum):
         return _parse_enum(cls, value, "coordinate_mismatch_action")
 
 
+class StructuralBudget(enum.Enum):
+    """How many structural tokens a merge mode may inject into a row of width ``W``."""
+
+    FIXED = "fixed"  # floor(W * max_structural_fraction) (the seed's rule)
+    SCALED = "scaled"  # that, times W / max(length, W): less structure as the row outgrows W
+
+    @classmethod
+    def parse(cls, value: Union[str, "StructuralBudget"]) -> "StructuralBudget":
+        return _parse_enum(cls, value, "structural_budget")
+
+
 def _parse_enum(cls, value, setting: str):
     if isinstance(value, cls):
         return value
@@ -97,6 +108,13 @@ class TopologyKVPolicyConfig:
         *injected* per row (structural tokens the learned row already holds are free).
         0.25 keeps three quarters of the learned budget for the indexer.
     coordinate_mismatch_action : CoordinateMismatchAction or its name
+    sink_tokens : int >= 0 or None
+        Token-granular sinks: the first ``sink_tokens`` tokens replace the ``sink_blocks``
+        whole blocks, and the blocks they touch are never local or witness blocks. None
+        keeps whole sink blocks (the seed's setting).
+    structural_budget : StructuralBudget or its name
+        ``fixed`` (seed): ``floor(W * max_structural_fraction)`` per row; ``scaled``: that
+        cap times ``W / max(length, W)``, rounded down.
     """
 
     policy: TopologyKVPolicyMode = TopologyKVPolicyMode.DISABLED
@@ -106,8 +124,13 @@ class TopologyKVPolicyConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_structural_fraction: float = 0.25
     coordinate_mismatch_action: CoordinateMismatchAction = CoordinateMismatchAction.RAISE
+    sink_tokens: Optional[int] = None
+    structural_budget: StructuralBudget = StructuralBudget.FIXED
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "structural_budget", StructuralBudget.parse(self.structural_budget))
+        if self.sink_tokens is not None:
+            _check_count("sink_tokens", self.sink_tokens, 0)
         object.__setattr__(self, "policy", TopologyKVPolicyMode.parse(self.policy))
         object.__setattr__(
             self, "coordinate_mismatch_action", CoordinateMismatchAction.parse(self.coordinate_mismatch_action)
@@ -121,10 +144,11 @@ class TopologyKVPolicyConfig:
             raise TypeError(f"max_structural_fraction: expected float, got {type(frac).__name__} {frac!r}")
         if not (math.isfinite(frac) and 0.0 < frac <= 1.0):
             raise ValueError(f"max_structural_fraction: expected a value in (0, 1], got {frac}")
-        if self.enabled and self.sink_blocks + self.local_blocks + self.witness_blocks == 0:
+        sinks = self.sink_blocks if self.sink_tokens is None else self.sink_tokens
+        if self.enabled and sinks + self.local_blocks + self.witness_blocks == 0:
             if self.policy is not TopologyKVPolicyMode.TOPOLOGY_ONLY:
                 raise ValueError(
-                    "sink_blocks + local_blocks + witness_blocks: expected > 0 for "
+                    "sink_blocks (or sink_tokens) + local_blocks + witness_blocks: expected > 0 for "
                     f"{self.policy.value}, got 0 (the policy would inject nothing)"
                 )
 
@@ -185,7 +209,8 @@ def policy_fingerprint(config: TopologyKVPolicyConfig, width: int, scaffold_toke
     contract = (
         f"mode={config.policy.value};W={width};bs={config.block_size};sink={config.sink_blocks};"
         f"local={config.local_blocks};witness={config.witness_blocks};"
-        f"frac={config.max_structural_fraction!r};scaffold="
+        f"frac={config.max_structural_fraction!r};sink_tokens={config.sink_tokens};"
+        f"budget={config.structural_budget.value};scaffold="
     )
     digest = hashlib.sha256(contract.encode())
     digest.update(",".join(str(int(t)) for t in scaffold_token_ids).encode())
@@ -393,19 +418,18 @@ def _any_per_row(mask: torch.Tensor) -> torch.Tensor:
     return mask.contiguous().view(torch.uint8).any(dim=1) != 0
 
 
-def _priority_permutation(sink_blocks: int, local_blocks: int, n_wit: int, bs: int, device) -> torch.Tensor:
+def _priority_permutation(s_tok: int, l_tok: int, w_tok: int, device) -> torch.Tensor:
     """Static ``[S]`` map from priority position to layout slot.
 
     Layout: ``[sink tokens | local tokens ascending | witness blocks]``; priority: sink
     tokens ascending, local tokens from the most recent backwards, witness blocks in score
     order with their tokens ascending. Invalid slots are skipped by the callers' masks.
     """
-    s_tok, l_tok = sink_blocks * bs, local_blocks * bs
     return torch.cat(
         [
             torch.arange(s_tok, device=device),
             s_tok + l_tok - 1 - torch.arange(l_tok, device=device),
-            torch.arange(s_tok + l_tok, s_tok + l_tok + n_wit * bs, device=device),
+            torch.arange(s_tok + l_tok, s_tok + l_tok + w_tok, device=device),
         ]
     )
 
@@ -424,6 +448,8 @@ def topology_kv_policy_core(
     witness_blocks: int,
     block_size: int,
     structural_cap: int,
+    sink_tokens: Optional[int] = None,
+    scale_budget_by_length: bool = False,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Vectorized policy over all rows; pure tensor ops with static shapes, no host sync.
 
@@ -448,14 +474,16 @@ def topology_kv_policy_core(
 
     * A row breaks the contract if a non-negative entry lies outside ``[0, length)`` or
       follows a padding entry; such a row is returned unchanged (``mismatch_rows``).
-    * Structural tokens in priority order: sink tokens (blocks ``0..sink_blocks-1``)
+    * Structural tokens in priority order: sink tokens (blocks ``0..sink_blocks-1``, or
+      the first ``sink_tokens`` tokens, whose blocks are then neither local nor witness)
       ascending; local tokens (the ``local_blocks`` blocks ending at the row's last
       block) from the most recent backwards; witness blocks by descending score (ties:
       lower block), tokens ascending; only tokens ``< length``. Compress mode keeps only
       the first token of a scheduled block lying wholly inside ``[0, min(scaffold, length))``.
     * Merge modes: structural tokens the row already holds are *present* (free, never
       evicted). Missing ones are injected in priority order, at most
-      ``min(structural_cap, W - present)``. When the row overflows by ``n``, the ``n``
+      ``min(cap, W - present)`` with ``cap = structural_cap`` (times ``W / max(length, W)``,
+      rounded down, when ``scale_budget_by_length``). When the row overflows by ``n``, the ``n``
       evicted entries are the non-structural entries with the lowest ``learned_scores``
       (ties: later entry first), or without scores the row's last ``n`` such entries.
       Injected tokens take the evicted positions (in row order without scores, in
@@ -494,39 +522,51 @@ def topology_kv_policy_core(
 
     only = mode is TopologyKVPolicyMode.TOPOLOGY_ONLY
     n_wit = (W + bs - 1) // bs + 1 if only else witness_blocks
-    Kb = sink_blocks + local_blocks + n_wit
-    S = Kb * bs
+    token_sinks = sink_tokens is not None
+    # Token sinks: the first sink_tokens tokens; blocks they cover wholly are neither
+    # local nor witness, and a block they cover in part contributes only its other tokens.
+    # Block sinks (seed behaviour): whole blocks 0 .. sink_blocks - 1.
+    sink_blk = sink_tokens // bs if token_sinks else sink_blocks
+    partial_sink = token_sinks and sink_tokens % bs != 0
+    S_sink = sink_tokens if token_sinks else sink_blocks * bs  # sink slots
+    S = S_sink + (local_blocks + n_wit) * bs
     nb = (lengths64 + bs - 1) // bs  # [R]
-    sink_end = torch.clamp(nb, max=sink_blocks)
+    sink_end = torch.clamp(nb, max=sink_blk)
     local_start = torch.maximum(torch.clamp(nb - local_blocks, min=0), sink_end)
-    wit = prioritized_block_schedule_unchecked(lengths, sink_blocks, local_blocks, n_wit, bs, drift)[
-        :, sink_blocks + local_blocks :
+    wit = prioritized_block_schedule_unchecked(lengths, sink_blk, local_blocks, n_wit, bs, drift)[
+        :, sink_blk + local_blocks :
     ]  # [R, n_wit] witness blocks in score order, -1 missing
 
     # Scheduled blocks in layout order: [sinks | locals ascending | witnesses].
-    sink_cols = torch.arange(sink_blocks, device=device).unsqueeze(0)
     local_cols = local_start.unsqueeze(1) + torch.arange(local_blocks, device=device).unsqueeze(0)
-    blocks = torch.cat(
-        [
-            torch.where(sink_cols < sink_end.unsqueeze(1), sink_cols, -1),
-            torch.where(local_cols < nb.unsqueeze(1), local_cols, -1),
-            wit,
-        ],
-        dim=1,
-    )  # [R, Kb] int64
-    slot_tok = expand_blocks_unchecked(blocks, lengths64, bs)  # [R, S] int64 token or -1
+    rest = [torch.where(local_cols < nb.unsqueeze(1), local_cols, -1), wit]
+    if token_sinks:
+        blocks = torch.cat(rest, dim=1)  # [R, l + n_wit]: the sink segment is not block-based
+        ar = torch.arange(S_sink, device=device).unsqueeze(0)
+        sink_seg = torch.where(ar < lengths64.unsqueeze(1), ar, -1).expand(R, S_sink)
+    else:
+        sink_cols = torch.arange(sink_blocks, device=device).unsqueeze(0)
+        blocks = torch.cat([torch.where(sink_cols < sink_end.unsqueeze(1), sink_cols, -1)] + rest, dim=1)
+        sink_seg = None
+    slot_tok = expand_blocks_unchecked(blocks, lengths64, bs)  # [R, *] int64 token or -1
+    if partial_sink:
+        slot_tok = torch.where(slot_tok < sink_tokens, -1, slot_tok)  # those are sink slots
     compress = mode is TopologyKVPolicyMode.TOPOLOGY_COMPRESS_SPARSE and scaffold_lengths is not None
     if compress:
-        # Blocks wholly inside min(scaffold, length) keep their first token only.
+        # Scheduled blocks wholly inside min(scaffold, length) keep their first token only.
         span = torch.minimum(scaffold_lengths.to(torch.int64), lengths64)
         comp_end = torch.div(span, bs, rounding_mode="floor") * bs  # [R] tokens of whole blocks
-        compressed = (blocks >= 0) & ((blocks + 1) * bs <= span.unsqueeze(1))  # [R, Kb]
-        non_first = (torch.arange(S, device=device) % bs) != 0
+        # Token sinks are never compressed, nor is a block holding some of them.
+        comp_start = -(-sink_tokens // bs) * bs if token_sinks else 0
+        compressed = (blocks * bs >= comp_start) & ((blocks + 1) * bs <= span.unsqueeze(1))  # [R, Kb]
+        non_first = (torch.arange(slot_tok.shape[1], device=device) % bs) != 0
         slot_tok = torch.where(compressed.repeat_interleave(bs, dim=1) & non_first, -1, slot_tok)
         n_compressed = compressed.sum(dim=1)
     else:
         comp_end = None
         n_compressed = torch.zeros_like(n_valid)
+    if sink_seg is not None:
+        slot_tok = torch.cat([sink_seg, slot_tok], dim=1)  # [R, S]
     slot_valid = slot_tok >= 0  # [R, S]
 
     # Layout slot of every learned entry (S = not structural). Sinks and locals are
@@ -535,22 +575,27 @@ def topology_kv_policy_core(
         # Layout slot of every entry (S = not structural), with sign-bit masks rather than
         # torch.where: integer add/and/shift run ~10x faster than where on CPU. Sinks and
         # locals are contiguous token ranges, so their slot is the position plus a shift.
-        sink_tok_end = torch.minimum(sink_end * bs, lengths64).to(idt).unsqueeze(1)  # [R, 1]
+        sink_span = torch.full_like(sink_end, S_sink) if token_sinks else sink_end * bs
+        sink_tok_end = torch.minimum(sink_span, lengths64)
+        sink_tok_end = sink_tok_end.to(idt).unsqueeze(1)  # [R, 1]
         local_tok_start = (local_start * bs).to(idt).unsqueeze(1)
-        local_shift = sink_blocks * bs - local_tok_start  # [R, 1]
+        local_shift = S_sink - local_tok_start  # [R, 1]
         in_sink = (rel - sink_tok_end) >> sign  # -1 where rel < sink end
-        in_local = ~((rel - local_tok_start) >> sign)  # -1 where rel >= local start
+        in_local = ~((rel - torch.maximum(local_tok_start, sink_tok_end)) >> sign)  # -1 where local
         delta = S + (in_sink & -S) + (in_local & (local_shift - S))  # [R, W] slot - rel
         if n_wit > 0:
             bt = torch.div(rel, bs, rounding_mode="floor") if bs & (bs - 1) else rel >> (bs.bit_length() - 1)
             wit_i = wit.to(idt)
             for j in range(n_wit):
-                shift_j = (sink_blocks + local_blocks + j) * bs - wit_i[:, j : j + 1] * bs  # [R, 1]
-                delta = delta + (bt == wit_i[:, j : j + 1]) * (shift_j - S)
+                shift_j = S_sink + (local_blocks + j) * bs - wit_i[:, j : j + 1] * bs  # [R, 1]
+                hit = bt == wit_i[:, j : j + 1]
+                if partial_sink:
+                    hit = hit & (rel >= sink_tok_end)  # the block's sink tokens stay sinks
+                delta = delta + hit * (shift_j - S)
         if comp_end is not None:
             # Inside compressed blocks only the block's first token is structural.
             within = rel % bs if bs & (bs - 1) else rel & (bs - 1)
-            inside = (rel < comp_end.to(idt).unsqueeze(1)) & (within != 0)
+            inside = (rel >= comp_start) & (rel < comp_end.to(idt).unsqueeze(1)) & (within != 0)
             delta = torch.where(inside, S, delta)
         # Padding (rel < 0) -> S; everything past the slots -> S.
         slot = torch.maximum(torch.clamp(rel + delta, max=S), (rel >> sign) & S)  # [R, W]
@@ -558,7 +603,7 @@ def topology_kv_policy_core(
         present.scatter_(1, slot.to(torch.int64), True)
         present = present[:, :S] & slot_valid  # [R, S] structural tokens the row holds
 
-    perm = _priority_permutation(sink_blocks, local_blocks, n_wit, bs, device)
+    perm = _priority_permutation(S_sink, local_blocks * bs, n_wit * bs, device)
     tok_p = slot_tok.index_select(1, perm)  # [R, S] priority order
     valid_p = tok_p >= 0
     n_learned = torch.where(ok, n_valid, 0)
@@ -578,7 +623,11 @@ def topology_kv_policy_core(
         present_p = present.index_select(1, perm)
         n_present = present.sum(dim=1)  # [R]
         new_p = valid_p & ~present_p  # [R, S] missing structural tokens, priority order
-        n_inject = torch.minimum(new_p.sum(dim=1), torch.clamp(W - n_present, max=structural_cap))
+        cap = structural_cap
+        if scale_budget_by_length:  # the cap shrinks as the row outgrows the width W
+            cap = torch.div(structural_cap * W, torch.clamp(lengths64, min=W), rounding_mode="floor")
+        room = torch.minimum(W - n_present, cap) if scale_budget_by_length else torch.clamp(W - n_present, max=cap)
+        n_inject = torch.minimum(new_p.sum(dim=1), room)
         n_inject = torch.where(ok, n_inject, 0)  # a broken row is left exactly as it came
         new_rank = _rank_within(new_p)
         inject_p = new_p & (new_rank <= n_inject.unsqueeze(1))
@@ -767,6 +816,8 @@ def apply_topology_kv_policy(
         witness_blocks=config.witness_blocks,
         block_size=config.block_size,
         structural_cap=config.structural_cap(W),
+        sink_tokens=config.sink_tokens,
+        scale_budget_by_length=config.structural_budget is StructuralBudget.SCALED,
     )
     mismatch_rows = counters.pop("mismatch_rows")
     lazy = None
