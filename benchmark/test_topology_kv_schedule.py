@@ -262,3 +262,34 @@ def test_inputs_not_mutated():
     before = (lengths.clone(), drift.clone())
     build_topology_token_indices(lengths, TopologyScheduleConfig(1, 1, 1, 64), drift)
     assert torch.equal(lengths, before[0]) and torch.equal(drift, before[1])
+
+
+# ---------------------------------------------------------------- witness signals
+
+
+def test_witness_signal_parsing():
+    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import WitnessSignal
+
+    assert WitnessSignal.parse("Query_Centroid") is WitnessSignal.QUERY_CENTROID
+    with pytest.raises(ValueError, match="witness signal: expected one of \\[key_drift, value_drift"):
+        WitnessSignal.parse("attention")
+
+
+def test_query_centroid_scores_hand_computed_and_vs_loop():
+    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import query_centroid_scores
+
+    # 2 query heads share 1 KV head; centroids of 3 blocks in D=2.
+    q = torch.tensor([[[1.0, 0.0], [0.0, 2.0]]], device=DEVICE)  # [R=1, H=2, D=2]
+    c = torch.tensor([[[1.0, 1.0]], [[-1.0, 0.0]], [[0.0, -3.0]]], device=DEVICE)  # [N=3, Hkv=1, D=2]
+    # block 0: relu(1) + relu(2) = 3; block 1: relu(-1) + relu(0) = 0; block 2: 0 + relu(-6) = 0
+    assert query_centroid_scores(q, c).tolist() == [[3.0, 0.0, 0.0]]
+    gen = _gen(5)
+    q = torch.randn(4, 6, 8, generator=gen)
+    c = torch.randn(4, 5, 3, 8, generator=gen)
+    got = query_centroid_scores(q.to(DEVICE), c.to(DEVICE)).cpu()
+    for r in range(4):
+        for b in range(5):
+            want = sum(max(0.0, float(q[r, h] @ c[r, b, h // 2])) for h in range(6))
+            assert abs(float(got[r, b]) - want) < 1e-4
+    with pytest.raises(ValueError, match="key_centroids"):
+        query_centroid_scores(q.to(DEVICE), torch.zeros(5, 4, 8, device=DEVICE))  # 4 does not divide 6

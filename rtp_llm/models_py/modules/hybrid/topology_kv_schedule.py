@@ -59,6 +59,33 @@ class DriftMetric(enum.Enum):
         raise ValueError(f"drift metric: expected one of [{valid}], got {value!r}")
 
 
+class WitnessSignal(enum.Enum):
+    """What ranks the witness blocks (the caller computes it; the policy takes the scores).
+
+    KEY_DRIFT      ``||c_k[b] - c_k[b-1]||`` of key centroids: where the content changes
+                   (the seed's signal; query-independent, one vector per request).
+    VALUE_DRIFT    the same on value centroids: information the key-only indexer never sees.
+    QUERY_CENTROID ``sum_h relu(q_h . c_k[b, g(h)])``: the row's own query against each
+                   block's key centroid, DSA's indexer form at block granularity (N dot
+                   products per head instead of L; a coarse, cheap second opinion).
+    """
+
+    KEY_DRIFT = "key_drift"
+    VALUE_DRIFT = "value_drift"
+    QUERY_CENTROID = "query_centroid"
+
+    @classmethod
+    def parse(cls, value: Union[str, "WitnessSignal"]) -> "WitnessSignal":
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            for member in cls:
+                if value.strip().lower() in (member.value, member.name.lower()):
+                    return member
+        valid = ", ".join(m.value for m in cls)
+        raise ValueError(f"witness signal: expected one of [{valid}], got {value!r}")
+
+
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected int, got {type(value).__name__} {value!r}")
@@ -473,3 +500,46 @@ def build_topology_token_indices(
     """
     blocks = build_block_schedule(lengths, config, drift_scores)
     return compact_valid_first(expand_blocks_unchecked(blocks, lengths, config.block_size))
+
+
+def query_centroid_scores(query: torch.Tensor, key_centroids: torch.Tensor) -> torch.Tensor:
+    """Witness scores ``sum_h relu(q[r, h] . c[r, b, g(h)])`` (:attr:`WitnessSignal.QUERY_CENTROID`).
+
+    Parameters
+    ----------
+    query : float ``[R, H, D]`` each row's query heads (post-RoPE)
+    key_centroids : float ``[R, N, Hkv, D]`` (per row) or ``[N, Hkv, D]`` (shared), from
+        :func:`block_key_centroids`; ``H`` must be a multiple of ``Hkv`` (GQA: query head
+        ``h`` reads KV head ``h // (H / Hkv)``)
+
+    Returns
+    -------
+    float32 ``[R, N]``. Blocks past a row's causal length are not masked here (the
+    schedule ignores them). Cost ``R * N * H * D`` multiply-adds: the indexer's form at
+    block granularity, ``block_size`` times cheaper than scanning every key.
+    """
+    _check_tensor("query", query, ndims=(3,), dtypes=_FLOAT_DTYPES)
+    _check_tensor("key_centroids", key_centroids, ndims=(3, 4), dtypes=_FLOAT_DTYPES)
+    R, H, D = query.shape
+    Hkv = key_centroids.shape[-2]
+    if key_centroids.shape[-1] != D or H % Hkv:
+        raise ValueError(
+            f"key_centroids: expected [..., Hkv, {D}] with Hkv dividing {H} query heads, "
+            f"got shape {tuple(key_centroids.shape)}"
+        )
+    if key_centroids.dim() == 4 and key_centroids.shape[0] != R:
+        raise ValueError(f"key_centroids: expected {R} rows, got shape {tuple(key_centroids.shape)}")
+    return query_centroid_scores_unchecked(query, key_centroids)
+
+
+def query_centroid_scores_unchecked(query: torch.Tensor, key_centroids: torch.Tensor) -> torch.Tensor:
+    """:func:`query_centroid_scores` without validation (no host sync)."""
+    R, H, D = query.shape
+    Hkv = key_centroids.shape[-2]
+    q = query.to(torch.float32).view(R, Hkv, H // Hkv, D)  # [R, Hkv, G, D]
+    c = key_centroids.to(torch.float32)
+    if c.dim() == 3:
+        dots = torch.einsum("rkgd,nkd->rkgn", q, c)  # (R, Hkv, G, D) x (N, Hkv, D) -> (R, Hkv, G, N)
+    else:
+        dots = torch.einsum("rkgd,rnkd->rkgn", q, c)  # per-row centroids
+    return torch.relu(dots).sum(dim=(1, 2))  # [R, N]
