@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmark import topology_kv_decode_e2e as e2e
+from benchmark.quality.sample_text import PRIDE_AND_PREJUDICE_OPENING
 
 NUM_LAYERS = 2  # truncated model: fast, and the comparison is exact either way
 CONTEXT = 160  # > 2 pages of 64, so sink/local/witness blocks all exist
@@ -20,7 +21,9 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def prompt(loaded):
-    return torch.tensor([e2e.prompt_tokens(loaded, "prideprejudice", CONTEXT, None)])
+    ids = loaded.tokenizer(PRIDE_AND_PREJUDICE_OPENING, add_special_tokens=False)["input_ids"]
+    assert len(ids) >= CONTEXT
+    return torch.tensor([ids[:CONTEXT]])
 
 
 def _decode(loaded, prompt, variant, width):

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The main job. For now: the decode microbenchmark on CPU; extra args go to the benchmark.
+# The main job: the validation report (micro, policy overhead, end-to-end decode, quality
+# gate) into report/. Extra args go to benchmark/topology_kv_report.py (e.g. --quick).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 bash scripts/setup.sh
-# PYTHONPATH: the script lives in benchmark/, but imports rtp_llm.* and benchmark.* from the root.
+# PYTHONPATH: the scripts live in benchmark/, but import rtp_llm.* and benchmark.* from the root.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec .venv/bin/python benchmark/topology_kv_candidate_schedule.py --device cpu "$@"
+export HF_HUB_OFFLINE=1
+exec .venv/bin/python benchmark/topology_kv_report.py "$@"
