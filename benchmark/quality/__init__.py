@@ -1,0 +1,29 @@
+"""Model-quality harness for topology-aware KV selection (``//benchmark:topology_kv_quality``).
+
+A real decoder (SmolLM2-135M-Instruct by default, any GGUF decoder transformers loads)
+runs over real text (the six Austen novels of Debian's ``r-cran-janeaustenr``) with
+sparse attention inside its own forward: every full-attention layer attends, for each
+query token, only to the ``W`` positions a *selector* picks. Perplexity and per-layer
+attention metrics compare each selector with dense attention at the same budget, and a
+gate turns them into PASS/FAIL per policy mode.
+
+Modules, one concern each:
+
+    paths             repository root, data folder, ``bazel run`` path resolution
+    text              Austen text: Debian package -> cached plain text -> token windows
+    model             GGUF discovery, offline loading, full-attention layer detection
+    index_rows        the engine's top-k row convention: build, check, turn into masks
+    layer             one layer's attention inputs and the chunked attention maths
+    selectors         oracle / learned proxy / weak proxy / locality / random / all
+    policy_selectors  the real ``apply_topology_kv_policy`` on the learned rows
+    sparse_attention  the transformers attention-interface hook and per-forward plan
+    metrics           chunked perplexity and per-layer metric accumulators
+    runner            the grid: dense forward, then one forward per (selector, budget)
+    gate              PASS/FAIL per policy mode from the grid's numbers
+    report            markdown table, JSON, PNG plots
+    cli               flags, validation, ``main``
+
+Shape vocabulary (shared with the rest of the project): ``T`` query tokens (rows),
+``L`` key length, ``W`` budget (top-k width), ``H`` query heads, ``Hkv`` key/value
+heads, ``D`` head dim, ``N`` blocks.
+"""

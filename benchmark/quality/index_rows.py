@@ -1,0 +1,105 @@
+"""Index rows in the engine's top-k convention: build them, check them, turn them into masks.
+
+The convention (DESIGN.md, "Output convention of the engine's top-k"), for a row with
+causal length ``len`` (tokens ``0 .. len-1`` visible) and width ``W``:
+
+* ``len <= W``: ``0, 1, .., len-1`` ascending, then ``-1`` (the row stays dense; the
+  policy's output contract allows any order of that prefix);
+* ``len > W``:  ``W`` unique positions in ``[0, len)``, in no particular order.
+
+Here offsets are always 0 (one request per forward). Index dtype is int32, as the
+engine's; selectors may return int64 and the hook accepts both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def causal_lengths(num_queries: int, key_length: int, device=None) -> torch.Tensor:
+    """int64 ``[T]``: query ``t`` of the last ``T`` positions sees ``L - T + t + 1`` keys."""
+    return torch.arange(key_length - num_queries + 1, key_length + 1, dtype=torch.int64, device=device)
+
+
+def dense_rows(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """int32 ``[T, W]``: ``0 .. min(len, W)-1`` then ``-1`` (the short-row form)."""
+    ar = torch.arange(width, dtype=torch.int64, device=lengths.device).unsqueeze(0)  # [1, W]
+    return torch.where(ar < lengths.unsqueeze(1), ar, -1).to(torch.int32)
+
+
+def rows_from_scores(scores: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Top-``W`` causal positions of each row of ``scores``, in the engine's convention.
+
+    Parameters
+    ----------
+    scores : float ``[T, Lc]``; column ``s`` scores key ``s``. Columns at or past a
+        row's length are ignored. Values must be finite inside the causal range
+        (``-inf`` there could let topk pick a masked column; not checked).
+    lengths : int64 ``[T]``, ``1 <= len <= Lc``
+    width : W >= 1
+
+    Returns
+    -------
+    int32 ``[T, W]``: short rows (``len <= W``) dense; long rows the ``W`` highest
+    scores in descending order. Ties: whichever ``torch.topk`` returns (unspecified).
+    """
+    T, Lc = scores.shape
+    out = dense_rows(lengths, width)
+    if width >= Lc:
+        return out  # every row is short
+    col = torch.arange(Lc, device=scores.device).unsqueeze(0)  # [1, Lc]
+    masked = scores.masked_fill(col >= lengths.unsqueeze(1), float("-inf"))
+    top = torch.topk(masked, width, dim=-1).indices.to(torch.int32)  # [T, W]
+    return torch.where((lengths > width).unsqueeze(1), top, out)
+
+
+def rows_to_mask(rows: torch.Tensor, key_length: int) -> torch.Tensor:
+    """bool ``[T, L]``: ``True`` at each row's valid (non-negative) positions."""
+    T = rows.shape[0]
+    target = torch.where(rows >= 0, rows.to(torch.int64), key_length)  # -1 -> a dump column
+    mask = torch.zeros(T, key_length + 1, dtype=torch.bool, device=rows.device)
+    mask.scatter_(1, target, True)
+    return mask[:, :key_length]
+
+
+def check_engine_rows(
+    rows: torch.Tensor, lengths: torch.Tensor, width: int, name: str = "rows", ascending_short_rows: bool = True
+) -> None:
+    """Raise ``ValueError`` naming the first row that breaks the convention.
+
+    Checks shape ``[T, W]``, integer dtype, long rows ``W`` unique positions in
+    ``[0, len)`` with no ``-1``, and short rows exactly ``0..len-1`` then ``-1``. With
+    ``ascending_short_rows=False`` a short row may hold ``0..len-1`` in any order (still
+    as a prefix before the ``-1`` tail): DESIGN.md's contract for *policy* output, which
+    attention treats identically. Reads values (host sync): tests and harness only.
+    """
+    T = lengths.shape[0]
+    if rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: expected int32/int64, got {rows.dtype}")
+    if tuple(rows.shape) != (T, width):
+        raise ValueError(f"{name}: expected shape ({T}, {width}), got {tuple(rows.shape)}")
+    r = rows.to(torch.int64)
+    lengths = lengths.to(torch.int64)
+    short = lengths <= width
+    expected_short = dense_rows(lengths, width).to(torch.int64)
+    if ascending_short_rows:
+        bad_short = short & (r != expected_short).any(dim=1)
+    else:
+        # Same set as a prefix: -1 exactly at columns >= len, sorted valid part = 0..len-1.
+        tail_ok = ((r < 0) == (expected_short < 0)).all(dim=1)
+        srt_valid = torch.sort(torch.where(r < 0, torch.iinfo(torch.int64).max, r), dim=1).values
+        set_ok = (torch.where(expected_short < 0, 0, srt_valid - expected_short) == 0).all(dim=1)
+        bad_short = short & ~(tail_ok & set_ok)
+    srt = torch.sort(r, dim=1).values
+    dup = (srt[:, 1:] == srt[:, :-1]).any(dim=1) if width > 1 else torch.zeros_like(short)
+    out_of_range = (r < 0).any(dim=1) | (r >= lengths.unsqueeze(1)).any(dim=1)
+    bad_long = ~short & (dup | out_of_range)
+    bad = bad_short | bad_long
+    if bool(bad.any()):
+        t = int(torch.argmax(bad.to(torch.int8)))
+        if bool(short[t]):
+            kind = "short rows must be 0..len-1" + (" ascending" if ascending_short_rows else "") + " then -1"
+        else:
+            kind = "long rows need W unique causal positions"
+        raise ValueError(f"{name}: row {t} (length {int(lengths[t])}, W {width}) breaks the convention ({kind}): "
+                         f"{r[t, :16].tolist()}{' ...' if width > 16 else ''}")

@@ -1,0 +1,131 @@
+"""One attention layer's inputs, as a selector sees them, and the chunked attention maths.
+
+Everything is computed in query chunks of ``query_chunk`` rows, each against only the
+keys its causal range can reach (``lc = L - T + c1``), so that the ``[H, Tc, lc]`` score
+block stays small: 9 heads x 256 queries x 8192 keys x 4 B = 75 MB at 8k context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+from benchmark.quality.index_rows import causal_lengths
+
+DEFAULT_QUERY_CHUNK = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerInputs:
+    """Post-RoPE attention inputs of one full-attention layer for one request.
+
+    Attributes
+    ----------
+    layer_idx : the decoder layer's index
+    query : fp32 ``[H, T, D]`` post-RoPE queries (the last ``T`` positions)
+    key, value : fp32 ``[Hkv, L, D]`` post-RoPE keys and values (query head ``h``
+        reads KV head ``h // (H // Hkv)``, transformers' ``repeat_kv`` order)
+    lengths : int64 ``[T]`` causal lengths, ``L - T + t + 1``
+    scaling : softmax scale (usually ``D ** -0.5``)
+    softcap : logit soft-capping (``tanh(s / c) * c``) or None
+    allowed : bool ``[T, L]`` mask the model built (padding, ...) or None = causal
+    query_chunk : rows per chunk of the chunked computations
+    """
+
+    layer_idx: int
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    lengths: torch.Tensor
+    scaling: float
+    softcap: Optional[float] = None
+    allowed: Optional[torch.Tensor] = None
+    query_chunk: int = DEFAULT_QUERY_CHUNK
+
+    @classmethod
+    def build(cls, layer_idx, query, key, value, scaling, softcap=None, allowed=None, query_chunk=DEFAULT_QUERY_CHUNK):
+        """From fp32 ``[H, T, D]`` / ``[Hkv, L, D]`` tensors; lengths from the shapes."""
+        H, T, D = query.shape
+        Hkv, L, _ = key.shape
+        if H % Hkv:
+            raise ValueError(f"query heads {H} is not a multiple of key/value heads {Hkv}")
+        return cls(layer_idx, query, key, value, causal_lengths(T, L, query.device), float(scaling),
+                   softcap, allowed, query_chunk)
+
+    @property
+    def num_queries(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def key_length(self) -> int:
+        return self.key.shape[1]
+
+    @property
+    def groups(self) -> int:
+        return self.query.shape[0] // self.key.shape[0]
+
+    def chunks(self) -> Iterator[Tuple[int, int, int]]:
+        """``(c0, c1, lc)``: query rows ``[c0, c1)`` and the ``lc`` keys they can reach."""
+        T, L = self.num_queries, self.key_length
+        for c0 in range(0, T, self.query_chunk):
+            c1 = min(T, c0 + self.query_chunk)
+            yield c0, c1, L - T + c1
+
+    def head_dot(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """``q . k`` per head: query ``[H, Tc, D']`` x key ``[Hkv, lc, D']`` -> ``[H, Tc, lc]``."""
+        H, Tc, Dq = query.shape
+        Hkv = key.shape[0]
+        q = query.reshape(Hkv, H // Hkv, Tc, Dq)  # [Hkv, g, Tc, D']
+        s = torch.matmul(q, key.unsqueeze(1).transpose(-1, -2))  # [Hkv, g, Tc, lc]
+        return s.reshape(H, Tc, key.shape[1])
+
+    def logits(self, c0: int, c1: int, lc: int) -> torch.Tensor:
+        """fp32 ``[H, Tc, lc]`` scaled (and soft-capped) attention logits, unmasked."""
+        s = self.head_dot(self.query[:, c0:c1], self.key[:, :lc]) * self.scaling
+        if self.softcap is not None:
+            s = torch.tanh(s / self.softcap) * self.softcap
+        return s
+
+    def allowed_chunk(self, c0: int, c1: int, lc: int) -> torch.Tensor:
+        """bool ``[Tc, lc]``: causal, and the model's own mask when it built one."""
+        col = torch.arange(lc, device=self.query.device).unsqueeze(0)
+        causal = col < self.lengths[c0:c1].unsqueeze(1)
+        if self.allowed is None:
+            return causal
+        return causal & self.allowed[c0:c1, :lc]
+
+    def weighted_values(self, probs: torch.Tensor) -> torch.Tensor:
+        """``[H, Tc, lc]`` probabilities x values -> fp32 ``[H, Tc, D]``."""
+        H, Tc, lc = probs.shape
+        Hkv = self.value.shape[0]
+        p = probs.reshape(Hkv, H // Hkv, Tc, lc)
+        out = torch.matmul(p, self.value[:, :lc].unsqueeze(1))  # [Hkv, g, Tc, D]
+        return out.reshape(H, Tc, -1)
+
+    def masked_attention(self, c0: int, c1: int, lc: int, mask: torch.Tensor,
+                         rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention of query rows ``[c0, c1)`` over keys ``[0, lc)`` where ``mask`` allows: fp32 ``[H, Tq, D]``.
+
+        mask : bool ``[Tq, lc]``, at least one ``True`` per row; ``rows`` optionally picks
+        a subset of the chunk's queries (int64 ``[Tq]`` offsets from ``c0``).
+        Fast path: torch SDPA (fused on CPU, ~3x the eager speed at 8k keys); with
+        soft-capping, which SDPA lacks, an eager masked softmax.
+        """
+        q = self.query[:, c0:c1] if rows is None else self.query[:, c0:c1][:, rows]  # [H, Tq, D]
+        if self.softcap is None:
+            k = self.key[:, :lc].repeat_interleave(self.groups, dim=0)  # [H, lc, D]
+            v = self.value[:, :lc].repeat_interleave(self.groups, dim=0)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask[None, None], scale=self.scaling)
+            return out[0]
+        s = self.head_dot(q, self.key[:, :lc]) * self.scaling
+        s = torch.tanh(s / self.softcap) * self.softcap
+        return self.weighted_values(torch.softmax(s.masked_fill(~mask.unsqueeze(0), float("-inf")), dim=-1))
+
+    def dense_probabilities(self, c0: int, c1: int, lc: int) -> torch.Tensor:
+        """fp32 ``[H, Tc, lc]`` dense softmax probabilities (zero outside the allowed mask)."""
+        s = self.logits(c0, c1, lc)
+        s = s.masked_fill(~self.allowed_chunk(c0, c1, lc).unsqueeze(0), float("-inf"))
+        return torch.softmax(s, dim=-1)

@@ -1,0 +1,38 @@
+"""Where things live: repository root, the git-ignored data folder, output paths.
+
+``bazel run`` starts binaries inside the runfiles tree; it exports
+``BUILD_WORKSPACE_DIRECTORY`` (the source checkout) and ``BUILD_WORKING_DIRECTORY``
+(the user's shell directory). Data is cached in the checkout, and relative output paths
+mean what the user typed them relative to.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def repo_root() -> Path:
+    """The source checkout: ``$BUILD_WORKSPACE_DIRECTORY`` under ``bazel run``, else by file.
+
+    ``os.path.abspath`` rather than ``resolve()``: under Bazel the file is a runfiles
+    symlink and the runfiles tree, not the symlink target, is the import root.
+    """
+    workspace = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
+    if workspace:
+        return Path(workspace)
+    return Path(os.path.abspath(__file__)).parents[2]
+
+
+def default_data_dir() -> Path:
+    """``<repo>/data``: the cache for downloaded and extracted inputs (ignored by git)."""
+    return repo_root() / "data"
+
+
+def user_path(path: str | os.PathLike) -> Path:
+    """Resolve a path the user typed: relative to ``$BUILD_WORKING_DIRECTORY`` under ``bazel run``."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p
+    base = os.environ.get("BUILD_WORKING_DIRECTORY")
+    return (Path(base) / p) if base else (Path.cwd() / p)

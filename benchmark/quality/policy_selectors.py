@@ -1,0 +1,111 @@
+"""Policy selectors: the real ``apply_topology_kv_policy`` applied to the learned rows.
+
+For each full-attention layer: the proxy indexer's top-W rows and scores
+(:func:`benchmark.quality.selectors.learned_rows_and_scores`), the layer's key-centroid
+drift per 64-token block (``topology_kv_schedule.block_key_centroids`` on the post-RoPE
+keys, then ``block_drift_scores``: block 0 scores 0), then the policy, exactly as the
+serving path calls it. All rows of a forward belong to one request, so the drift is one
+``[1, N]`` row shared through ``row_to_request``; blocks past a row's causal length are
+the policy's business. One selector per enabled :class:`TopologyKVPolicyMode`, named by
+the mode's value (e.g. ``topology_sparse_merge``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Tuple
+
+import torch
+
+from benchmark.quality.errors import SetupError, UsageError
+from benchmark.quality.layer import LayerInputs
+from benchmark.quality.selectors import Selector, SelectorSettings, learned_rows_and_scores
+
+_POLICY_MODULE = "rtp_llm.models_py.modules.hybrid.topology_kv_policy"
+
+
+def _policy():
+    try:
+        from rtp_llm.models_py.modules.hybrid import topology_kv_policy, topology_kv_schedule
+    except ImportError as exc:
+        raise SetupError(f"the policy selectors need {_POLICY_MODULE} on the import path: {exc}") from exc
+    return topology_kv_policy, topology_kv_schedule
+
+
+def policy_mode_names() -> Tuple[str, ...]:
+    """Values of the enabled policy modes (every mode but ``disabled``), in enum order."""
+    policy, _ = _policy()
+    return tuple(m.value for m in policy.TopologyKVPolicyMode if m is not policy.TopologyKVPolicyMode.DISABLED)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySettings:
+    """Policy configuration used by every policy selector (the engine's defaults).
+
+    scaffold_tokens : ``topology_compress_sparse`` only: the first ``scaffold_tokens``
+        of each window stand in for a stable scaffold (a shared system prompt), whose
+        structural blocks the mode represents by one token each. 0: no scaffold, and the
+        mode then selects exactly what ``topology_sparse_merge`` does.
+    """
+
+    sink_blocks: int = 1
+    local_blocks: int = 2
+    witness_blocks: int = 2
+    block_size: int = 64
+    max_structural_fraction: float = 0.25
+    scaffold_tokens: int = 0
+
+    def config(self, mode: str):
+        """A validated ``TopologyKVPolicyConfig``; its errors become ``UsageError``."""
+        policy, _ = _policy()
+        try:
+            return policy.TopologyKVPolicyConfig(
+                policy=mode,
+                sink_blocks=self.sink_blocks,
+                local_blocks=self.local_blocks,
+                witness_blocks=self.witness_blocks,
+                block_size=self.block_size,
+                max_structural_fraction=self.max_structural_fraction,
+            )
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"policy settings: {exc}") from exc
+
+
+def layer_block_drift(layer: LayerInputs, block_size: int) -> torch.Tensor:
+    """fp32 ``[1, N]`` L2 drift of the layer's post-RoPE key centroids, ``N = ceil(L / bs)``."""
+    _, schedule = _policy()
+    keys = layer.key.transpose(0, 1)  # [Hkv, L, D] -> [L, Hkv, D], token-major like the cache
+    centroids = schedule.block_key_centroids(keys, block_size=block_size)  # [N, Hkv, D]
+    return schedule.block_drift_scores(centroids).unsqueeze(0)  # [1, N]
+
+
+def make_policy_selector(mode: str, settings: SelectorSettings, policy_settings: PolicySettings = None) -> Selector:
+    """Selector applying policy ``mode`` to the proxy indexer's rows (see module doc)."""
+    policy, _ = _policy()
+    policy_settings = policy_settings or PolicySettings()
+    config = policy_settings.config(mode)
+    if not config.enabled:
+        raise UsageError(f"--selectors: policy mode {mode!r} is disabled (it returns the learned rows: use 'learned')")
+
+    def select_policy(layer: LayerInputs, width: int, stats: Dict[str, float]) -> torch.Tensor:
+        rows, scores = learned_rows_and_scores(layer, width, settings)
+        T = rows.shape[0]
+        context = None
+        if policy_settings.scaffold_tokens:
+            # Only the scaffold's length matters to the policy; the ids feed its fingerprint.
+            context = policy.TopologyRequestContext(scaffold_token_ids=tuple(range(policy_settings.scaffold_tokens)))
+        result = policy.apply_topology_kv_policy(
+            rows,
+            layer.lengths,
+            config=config,
+            block_drift_scores=layer_block_drift(layer, config.block_size),
+            row_to_request=torch.zeros(T, dtype=torch.int64, device=rows.device),
+            learned_scores=scores,
+            context=context,
+        )
+        for name, value in result.counters.to_dict().items():
+            stats[name] = stats.get(name, 0) + value
+        return result.indices
+
+    select_policy.__name__ = f"select_{mode}"
+    return select_policy

@@ -1,0 +1,162 @@
+"""Outputs: markdown table, JSON with every figure and the run's settings, PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+from benchmark.quality.gate import Verdict, check_mark
+from benchmark.quality.runner import GridResult, cell_summary, sorted_cells
+
+
+def _f(x, digits=3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def markdown_report(
+    grid: GridResult, selector_order: Sequence[str], verdicts: Sequence[Verdict], settings: Dict
+) -> str:
+    out: List[str] = ["# Topology KV quality", ""]
+    model = settings["model"]
+    out.append(
+        f"Model `{Path(model['gguf_path']).name}` (sha256 {model['gguf_sha256'][:12]}), "
+        f"{model['num_hidden_layers']} layers, {model['num_attention_heads']} q / "
+        f"{model['num_key_value_heads']} kv heads; sparse layers {len(model['full_attention_layers'])}. "
+        f"Text: {settings['text']['novel']}, windows {settings['text']['windows']}. "
+        f"torch {settings['versions']['torch']}."
+    )
+    out += ["", "## Gate", "", "| mode | verdict | check | result | numbers |", "|---|---|---|---|---|"]
+    for v in verdicts:
+        for i, c in enumerate(v.checks):
+            mode, status = (v.mode, v.status) if i == 0 else ("", "")
+            out.append(f"| {mode} | {status} | {c.name} | {check_mark(c.passed)} | {c.detail} |")
+    out += [
+        "",
+        "## Results",
+        "",
+        "Perplexity over the whole window and over the positions whose causal length exceeds W "
+        "(\"sparse rows\"); per-layer metrics over sparse rows against dense attention of the same "
+        "layer input, averaged across full-attention layers: recall = head-averaged attention mass "
+        "kept (p5: mean of per-layer 5th percentiles; worst p5: the lowest layer's); cos diff = "
+        "1 - 2<a,b>/(|a|^2+|b|^2) of the layer's attention output; top-1 = share of heads whose "
+        f"dense argmax key is kept; sink = share of the first {settings['selector_settings']['sink_tokens']} "
+        "positions kept. `learned` is a *proxy* indexer (DSA's form sum_h w_h relu(q_h.k_h) on the "
+        "model's own post-RoPE q/k, fp8-e4m3 round trip, uniform w_h), not a trained indexer; "
+        "`learned-lowrank` projects q/k to a few random dimensions first (a poor indexer); policy "
+        "modes run the real `apply_topology_kv_policy` on the `learned` rows.",
+        "",
+        "| ctx | budget | W | selector | ppl | ratio | ratio (sparse rows) | recall | recall p5 | worst p5 "
+        "| cos diff | top-1 | sink | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for ctx, d in sorted(grid.dense.items()):
+        out.append(f"| {ctx} | dense | - | dense | {_f(d.ppl)} | 1.000 | 1.000 | | | | | | | {_f(d.seconds, 1)} |")
+    for cell in sorted_cells(grid, selector_order):
+        s = cell_summary(grid, cell)
+        L = s["layers"]
+        out.append(
+            f"| {s['context']} | {s['budget']} | {s['width']} | {s['selector']} | {_f(s['ppl'])} | "
+            f"{_f(s['ppl_ratio'], 4)} | {_f(s['ppl_sparse_rows_ratio'], 4)} | {_f(L.get('recall_mean'))} | "
+            f"{_f(L.get('recall_p5'))} | {_f(L.get('recall_p5_min'))} | {_f(L.get('cos_diff_mean'), 4)} | "
+            f"{_f(L.get('top1_mean'))} | {_f(L.get('sink_mean'))} | {_f(s['seconds'], 1)} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def json_report(grid: GridResult, selector_order: Sequence[str], verdicts: Sequence[Verdict], settings: Dict) -> Dict:
+    return {
+        "settings": settings,
+        "dense": {
+            str(ctx): {
+                "ppl": d.ppl,
+                "tokens": d.tokens,
+                "seconds": d.seconds,
+                "ppl_sparse_rows": {str(w): d.sparse_ppl(w) for w in sorted(d.nll_after)},
+            }
+            for ctx, d in sorted(grid.dense.items())
+        },
+        "windows": {str(ctx): [w.describe() for w in ws] for ctx, ws in grid.windows.items()},
+        "cells": [cell_summary(grid, c) for c in sorted_cells(grid, selector_order)],
+        "gate": [
+            {"mode": v.mode, "status": v.status,
+             "checks": [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in v.checks]}
+            for v in verdicts
+        ],
+    }
+
+
+def write_plots(grid: GridResult, selector_order: Sequence[str], out_dir: Path) -> List[Path]:
+    """``ppl_ratio_vs_budget.png`` and ``recall_per_layer_ctx<C>.png`` (one panel per budget)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    contexts = sorted(grid.dense)
+    # Top row: every selector (log scale); bottom row: zoom on the band the gate judges.
+    fig, axes = plt.subplots(2, len(contexts), figsize=(6 * len(contexts), 8), squeeze=False)
+    for col, ctx in enumerate(contexts):
+        for row, ax in enumerate(axes[:, col]):
+            for name in selector_order:
+                cells = sorted((c for c in grid.cells if c.context == ctx and c.selector == name),
+                               key=lambda c: c.budget)
+                if cells:
+                    ax.plot([float(c.budget) for c in cells], [c.ppl / grid.dense[ctx].ppl for c in cells],
+                            marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xlabel("budget (fraction of context)")
+            ax.grid(True, which="both", alpha=0.3)
+            if row == 0:
+                ax.set_yscale("log")
+                ax.set_ylabel("perplexity / dense")
+                ax.set_title(f"context {ctx}")
+                ax.legend(fontsize=7)
+            else:
+                ax.set_ylim(0.99, 1.10)
+                ax.set_ylabel("perplexity / dense (zoom)")
+    fig.tight_layout()
+    path = out_dir / "ppl_ratio_vs_budget.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    for ctx in contexts:
+        budgets = sorted({c.budget for c in grid.cells if c.context == ctx})
+        fig, axes = plt.subplots(1, len(budgets), figsize=(5 * len(budgets), 4), squeeze=False, sharey=True)
+        for ax, b in zip(axes[0], budgets):
+            for name in selector_order:
+                cell = grid.cell(ctx, b, name)
+                if cell is None:
+                    continue
+                per_layer = cell.metrics.layer_summary()
+                layers = sorted(per_layer)
+                ax.plot(layers, [per_layer[i]["recall_mean"] for i in layers], marker=".", label=name)
+            ax.set_title(f"ctx {ctx}, budget {b}")
+            ax.set_xlabel("layer")
+            ax.set_ylim(0, 1.02)
+            ax.grid(True, alpha=0.3)
+        axes[0][0].set_ylabel("attention-mass recall (mean)")
+        axes[0][-1].legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"recall_per_layer_ctx{ctx}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_outputs(grid, selector_order, verdicts, settings, out_dir: Path, plots: bool = True) -> Dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": out_dir / "report.md", "json": out_dir / "results.json"}
+    paths["markdown"].write_text(markdown_report(grid, selector_order, verdicts, settings))
+    paths["json"].write_text(json.dumps(json_report(grid, selector_order, verdicts, settings), indent=2, default=str))
+    if plots:
+        for p in write_plots(grid, selector_order, out_dir):
+            paths[p.stem] = p
+    return paths

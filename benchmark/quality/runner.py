@@ -1,0 +1,228 @@
+"""The grid: per context and text window, one dense forward, then one sparse forward per
+(budget, selector), with perplexity and per-layer metrics.
+
+Cost is one forward per grid cell (SmolLM2 at 2k tokens on 2 cores: 5 s dense through
+SDPA, 10-16 s sparse with the selector and the metric pass), so the grid size sets the
+run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from fractions import Fraction
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from benchmark.quality.layer import DEFAULT_QUERY_CHUNK
+from benchmark.quality.metrics import LayerMetrics, perplexity, summarize_layers, token_nll
+from benchmark.quality.model import LoadedModel
+from benchmark.quality.policy_selectors import PolicySettings
+from benchmark.quality.selectors import SelectorSettings, make_selector
+from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan
+from benchmark.quality.text import TextWindow
+
+
+@dataclasses.dataclass(frozen=True)
+class GridSettings:
+    """What to run. ``budgets`` are fractions of the context; ``W = floor(context * f)``."""
+
+    contexts: Tuple[int, ...]
+    budgets: Tuple[Fraction, ...]
+    selectors: Tuple[str, ...]
+    selector_settings: SelectorSettings = SelectorSettings()
+    policy_settings: PolicySettings = PolicySettings()
+    query_chunk: int = DEFAULT_QUERY_CHUNK
+    logits_chunk: int = 1024
+    metric_sink_tokens: int = 4  # sink retention counts the first 4 positions (DATA.md)
+
+
+def budget_width(context: int, fraction: Fraction) -> int:
+    return max(1, int(context * fraction))
+
+
+@dataclasses.dataclass
+class CellResult:
+    """One (context, budget, selector) cell, summed over its text windows."""
+
+    context: int
+    budget: Fraction
+    width: int
+    selector: str
+    nll_sum: float = 0.0
+    tokens: int = 0
+    sparse_nll_sum: float = 0.0  # positions whose causal length exceeds W
+    sparse_tokens: int = 0
+    seconds: float = 0.0
+    metrics: LayerMetrics = dataclasses.field(default_factory=LayerMetrics)
+    selector_stats: Dict[str, float] = dataclasses.field(default_factory=dict)
+    sparse_layers: Tuple[int, ...] = ()
+
+    @property
+    def ppl(self) -> float:
+        return perplexity(torch.tensor([self.nll_sum / max(self.tokens, 1)]))
+
+    @property
+    def sparse_ppl(self) -> float:
+        if self.sparse_tokens == 0:
+            return float("nan")
+        return perplexity(torch.tensor([self.sparse_nll_sum / self.sparse_tokens]))
+
+
+@dataclasses.dataclass
+class DenseResult:
+    """The dense reference of one context, with per-budget sparse-row sums."""
+
+    context: int
+    nll_sum: float = 0.0
+    tokens: int = 0
+    nll_after: Dict[int, Tuple[float, int]] = dataclasses.field(default_factory=dict)  # W -> (sum, count)
+    seconds: float = 0.0
+
+    @property
+    def ppl(self) -> float:
+        return perplexity(torch.tensor([self.nll_sum / max(self.tokens, 1)]))
+
+    def sparse_ppl(self, width: int) -> float:
+        total, count = self.nll_after.get(width, (0.0, 0))
+        return float("nan") if count == 0 else perplexity(torch.tensor([total / count]))
+
+
+@dataclasses.dataclass
+class GridResult:
+    dense: Dict[int, DenseResult]
+    cells: List[CellResult]
+    windows: Dict[int, List[TextWindow]]
+
+    def cell(self, context: int, budget: Fraction, selector: str) -> Optional[CellResult]:
+        for c in self.cells:
+            if c.context == context and c.budget == budget and c.selector == selector:
+                return c
+        return None
+
+    def ppl_ratio(self, context: int, budget: Fraction, selector: str) -> Optional[float]:
+        c = self.cell(context, budget, selector)
+        return None if c is None else c.ppl / self.dense[context].ppl
+
+
+def window_nll(lm: LoadedModel, window: TextWindow, plan: Optional[SparsePlan], logits_chunk: int) -> torch.Tensor:
+    """fp64 ``[T - 1]``: NLL of token ``t + 1`` given tokens ``0..t``, under ``plan`` (None = dense)."""
+    ids = torch.tensor([window.token_ids], dtype=torch.int64)  # [1, T]
+    kwargs = {} if plan is None else {PLAN_KWARG: plan}
+    with torch.inference_mode():
+        hidden = lm.model.base_model(input_ids=ids, use_cache=False, **kwargs).last_hidden_state[0]  # [T, C]
+        softcap = getattr(lm.model.config, "final_logit_softcapping", None)
+        return token_nll(hidden[:-1], lm.model.get_output_embeddings(), ids[0, 1:], logits_chunk, softcap)
+
+
+# Select-all runs the chunked masked-softmax path, dense runs torch SDPA; on SmolLM2 (30
+# layers, fp32) their logits differ by up to 7e-5.
+SELF_CHECK_TOL = dict(atol=2e-4, rtol=1e-4)
+
+
+def select_all_self_check(lm: LoadedModel, window: TextWindow, tokens: int = 512) -> float:
+    """Assert that selecting every causal key reproduces the dense logits; return max |diff|.
+
+    Runs on the first ``tokens`` tokens of ``window`` before the grid: if the hook ever
+    stopped matching the model's own attention, every number after it would be wrong.
+    """
+    from benchmark.quality.selectors import select_all
+
+    ids = torch.tensor([window.token_ids[:tokens]], dtype=torch.int64)  # [1, T]
+    plan = SparsePlan(select_all, ids.shape[1], frozenset(lm.full_attention_layers))
+    with torch.inference_mode():
+        dense = lm.model(input_ids=ids, use_cache=False).logits[0]
+        sparse = lm.model(input_ids=ids, use_cache=False, **{PLAN_KWARG: plan}).logits[0]
+    if sorted(set(plan.sparse_layers)) != sorted(lm.full_attention_layers):
+        raise RuntimeError(f"self-check: sparse path ran on layers {sorted(set(plan.sparse_layers))}, "
+                           f"expected {list(lm.full_attention_layers)}")
+    torch.testing.assert_close(sparse, dense, **SELF_CHECK_TOL, msg="self-check: select-all != dense logits")
+    return float((sparse - dense).abs().max())
+
+
+def run_grid(
+    lm: LoadedModel,
+    windows: Dict[int, List[TextWindow]],
+    settings: GridSettings,
+    progress: bool = True,
+) -> GridResult:
+    """Run every cell; ``windows`` maps each context to its text windows."""
+    from tqdm import tqdm
+
+    selectors = {n: make_selector(n, settings.selector_settings, settings.policy_settings) for n in settings.selectors}
+    full_layers = frozenset(lm.full_attention_layers)
+    total = sum(len(w) * (1 + len(settings.budgets) * len(selectors)) for w in windows.values())
+    bar = tqdm(total=total, disable=not progress, unit="fwd", dynamic_ncols=True)
+    dense: Dict[int, DenseResult] = {}
+    cells: Dict[Tuple[int, Fraction, str], CellResult] = {}
+    for context in settings.contexts:
+        d = dense[context] = DenseResult(context)
+        for window in windows[context]:
+            bar.set_postfix_str(f"ctx {context} dense")
+            start = time.perf_counter()
+            nll = window_nll(lm, window, None, settings.logits_chunk)
+            d.seconds += time.perf_counter() - start
+            d.nll_sum += float(nll.sum())
+            d.tokens += nll.numel()
+            bar.update()
+            for budget in settings.budgets:
+                width = budget_width(context, budget)
+                s, n = d.nll_after.get(width, (0.0, 0))
+                d.nll_after[width] = (s + float(nll[width:].sum()), n + nll[width:].numel())
+                for name, selector in selectors.items():
+                    bar.set_postfix_str(f"ctx {context} W {width} {name}")
+                    cell = cells.setdefault((context, budget, name), CellResult(context, budget, width, name))
+                    plan = SparsePlan(
+                        selector=selector,
+                        width=width,
+                        full_attention_layers=full_layers,
+                        metrics=cell.metrics,
+                        query_chunk=settings.query_chunk,
+                        sink_tokens=settings.metric_sink_tokens,
+                    )
+                    start = time.perf_counter()
+                    nll_sparse = window_nll(lm, window, plan, settings.logits_chunk)
+                    cell.seconds += time.perf_counter() - start
+                    cell.nll_sum += float(nll_sparse.sum())
+                    cell.tokens += nll_sparse.numel()
+                    cell.sparse_nll_sum += float(nll_sparse[width:].sum())
+                    cell.sparse_tokens += nll_sparse[width:].numel()
+                    cell.sparse_layers = tuple(sorted(set(plan.sparse_layers)))
+                    for stats in plan.selector_stats.values():
+                        for key, value in stats.items():
+                            cell.selector_stats[key] = cell.selector_stats.get(key, 0) + value
+                    bar.update()
+    bar.close()
+    return GridResult(dense=dense, cells=list(cells.values()), windows=windows)
+
+
+def cell_summary(grid: GridResult, cell: CellResult) -> Dict[str, object]:
+    """Every figure of one cell, JSON-ready."""
+    d = grid.dense[cell.context]
+    per_layer = cell.metrics.layer_summary()
+    return {
+        "context": cell.context,
+        "budget": str(cell.budget),
+        "budget_fraction": float(cell.budget),
+        "width": cell.width,
+        "selector": cell.selector,
+        "ppl": cell.ppl,
+        "ppl_dense": d.ppl,
+        "ppl_ratio": cell.ppl / d.ppl,
+        "ppl_sparse_rows": cell.sparse_ppl,
+        "ppl_sparse_rows_dense": d.sparse_ppl(cell.width),
+        "ppl_sparse_rows_ratio": cell.sparse_ppl / d.sparse_ppl(cell.width),
+        "tokens": cell.tokens,
+        "sparse_row_tokens": cell.sparse_tokens,
+        "seconds": cell.seconds,
+        "layers": summarize_layers(per_layer),
+        "per_layer": {str(k): v for k, v in per_layer.items()},
+        "sparse_layers": list(cell.sparse_layers),
+        "selector_stats": cell.selector_stats,
+    }
+
+
+def sorted_cells(grid: GridResult, selector_order: Sequence[str]) -> List[CellResult]:
+    order = {n: i for i, n in enumerate(selector_order)}
+    return sorted(grid.cells, key=lambda c: (c.context, c.budget, order.get(c.selector, len(order))))

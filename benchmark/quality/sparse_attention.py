@@ -1,0 +1,192 @@
+"""Sparse attention inside the model's own forward, through transformers' attention interface.
+
+:func:`register` adds one attention implementation, ``topology_kv_quality``, to
+``AttentionInterface`` *and* the same name to ``AttentionMaskInterface`` (with
+``sdpa_mask``): without the mask registration transformers silently builds no mask and a
+model with sliding-window layers loses its windows (DATA.md). Load the model with
+``attn_implementation=ATTENTION_NAME``.
+
+The hook keeps no state. What a forward should do travels with the call, as a keyword
+argument that transformers passes down to every attention call::
+
+    plan = SparsePlan(selector, width, full_attention_layers, metrics=LayerMetrics())
+    model.model(input_ids, topology_kv_plan=plan, use_cache=False)
+
+* no plan, or a layer that is not full attention (sliding window, ...): the model's
+  attention as it defines it (torch SDPA; a chunked eager fallback for soft-capping);
+* a full-attention layer under a plan: the selector gives ``[T, W]`` rows (one index set
+  per query token, shared by all heads), checked against the engine's convention; the
+  rows become a boolean ``[T, L]`` mask (scatter) combined with the causal/model mask;
+  attention runs in query chunks with that mask. Rows of causal length ``<= W`` are
+  dense by the convention itself. With ``metrics``, the same chunks also compute dense
+  attention of the *same layer input* and record per-row recall, cosine difference,
+  top-1 hit and sink retention for rows longer than ``W``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, FrozenSet, Optional
+
+import torch
+
+from benchmark.quality.index_rows import check_engine_rows, rows_to_mask
+from benchmark.quality.layer import DEFAULT_QUERY_CHUNK, LayerInputs
+from benchmark.quality.metrics import LayerMetrics
+
+ATTENTION_NAME = "topology_kv_quality"
+PLAN_KWARG = "topology_kv_plan"
+
+
+@dataclasses.dataclass
+class SparsePlan:
+    """What one forward does at its full-attention layers; the caller owns it.
+
+    Attributes
+    ----------
+    selector : ``(LayerInputs, W, stats) -> [T, W]`` rows (:mod:`benchmark.quality.selectors`)
+    width : the budget W (tokens per query row)
+    full_attention_layers : layer indices to make sparse; others run as the model defines
+    metrics : per-layer metric accumulator, or None to skip the dense comparison
+    query_chunk : query rows per attention chunk
+    sink_tokens : first positions counted by the sink-retention metric
+    check_rows : validate every selector output against the engine's convention
+    selector_stats : layer -> counters the selector reported (policy counters)
+    sparse_layers : layers that actually ran sparse in this forward, in call order
+    """
+
+    selector: object
+    width: int
+    full_attention_layers: FrozenSet[int]
+    metrics: Optional[LayerMetrics] = None
+    query_chunk: int = DEFAULT_QUERY_CHUNK
+    sink_tokens: int = 4
+    check_rows: bool = True
+    selector_stats: Dict[int, Dict[str, float]] = dataclasses.field(default_factory=dict)
+    sparse_layers: list = dataclasses.field(default_factory=list)
+
+
+def register() -> None:
+    """Register the hook and its mask function under :data:`ATTENTION_NAME` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, topology_kv_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def _allowed_from_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The model's ``[B, 1, T, L]`` mask (bool, or additive float) as bool ``[T, L]``; None = causal."""
+    if attention_mask is None:
+        return None
+    m = attention_mask[0, 0]
+    return m if m.dtype == torch.bool else m == 0
+
+
+def _layer_inputs(module, query, key, value, attention_mask, scaling, softcap, query_chunk) -> LayerInputs:
+    if query.shape[0] != 1:
+        raise ValueError(f"topology_kv_quality attention: expected batch 1 (one request), got {query.shape[0]}")
+    D = query.shape[-1]
+    return LayerInputs.build(
+        layer_idx=getattr(module, "layer_idx", -1),
+        query=query[0].to(torch.float32),  # [H, T, D]
+        key=key[0].to(torch.float32),  # [Hkv, L, D]
+        value=value[0].to(torch.float32),
+        scaling=D**-0.5 if scaling is None else scaling,
+        softcap=softcap,
+        allowed=_allowed_from_mask(attention_mask),
+        query_chunk=query_chunk,
+    )
+
+
+def chunked_dense_attention(layer: LayerInputs) -> torch.Tensor:
+    """Dense attention, chunked over queries: fp32 ``[H, T, D]`` (the soft-capping fallback)."""
+    out = torch.empty(layer.query.shape[0], layer.num_queries, layer.value.shape[-1], device=layer.query.device)
+    for c0, c1, lc in layer.chunks():
+        out[:, c0:c1] = layer.masked_attention(c0, c1, lc, layer.allowed_chunk(c0, c1, lc))
+    return out
+
+
+def sparse_layer_attention(
+    layer: LayerInputs, rows: torch.Tensor, width: int, metrics: Optional[LayerMetrics], sink_tokens: int
+) -> torch.Tensor:
+    """Attention restricted to ``rows`` (int ``[T, W]``, engine convention): fp32 ``[H, T, D]``.
+
+    With ``metrics``, rows longer than ``W`` also get, against dense attention of the same
+    inputs (``p_h`` head ``h``'s dense probabilities, ``S`` the selected set):
+    recall ``mean_h sum_{s in S} p_h[s]``; cosine difference ``1 - 2<a,b>/(|a|^2+|b|^2)``
+    of the ``[H*D]`` dense and sparse outputs; top-1 hit (share of heads whose dense
+    argmax key is in ``S``); sink retention (share of the first ``sink_tokens`` positions
+    in ``S``). Recall uses ``exp(logit - logsumexp)`` at the ``W`` selected keys only, so
+    no second ``[H, Tc, L]`` softmax is formed.
+    """
+    H, T, _ = layer.query.shape
+    selected = rows_to_mask(rows, layer.key_length)  # [T, L] bool
+    out = torch.empty(H, T, layer.value.shape[-1], device=layer.query.device)
+    for c0, c1, lc in layer.chunks():
+        allowed = layer.allowed_chunk(c0, c1, lc)  # [Tc, lc]
+        sel = selected[c0:c1, :lc] & allowed
+        out[:, c0:c1] = layer.masked_attention(c0, c1, lc, sel)
+        long_rows = layer.lengths[c0:c1] > width  # [Tc]
+        if metrics is None or not bool(long_rows.any()):
+            continue
+        keep = torch.nonzero(long_rows).squeeze(1)  # harness code: a host sync is fine here
+        allowed_k, sel_k = allowed[keep], sel[keep]  # [Tk, lc]
+        logits = layer.logits(c0, c1, lc)[:, keep].masked_fill_(~allowed_k.unsqueeze(0), float("-inf"))  # [H, Tk, lc]
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [H, Tk, 1]
+        rows_k = rows[c0:c1][keep].to(torch.int64)  # [Tk, W]
+        idx = rows_k.clamp(min=0)
+        kept = (torch.gather(sel_k, 1, idx) & (rows_k >= 0)).unsqueeze(0)  # [1, Tk, W]
+        p_sel = torch.exp(torch.gather(logits, 2, idx.unsqueeze(0).expand(H, -1, -1)) - lse) * kept  # [H, Tk, W]
+        recall = p_sel.sum(dim=-1).mean(dim=0)  # [Tk]
+        top1 = torch.gather(sel_k, 1, logits.argmax(dim=-1).transpose(0, 1)).to(torch.float32).mean(dim=1)
+        sink = sel_k[:, :sink_tokens].to(torch.float32).mean(dim=1)
+        a = layer.masked_attention(c0, c1, lc, allowed_k, rows=keep).transpose(0, 1).flatten(1)  # [Tk, H*D]
+        b = out[:, c0:c1][:, keep].transpose(0, 1).flatten(1)
+        cos_diff = 1.0 - 2.0 * (a * b).sum(-1) / ((a * a).sum(-1) + (b * b).sum(-1)).clamp(min=1e-30)
+        metrics.add(layer.layer_idx, recall=recall, cos_diff=cos_diff, top1=top1, sink=sink)
+    return out
+
+
+def _model_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    """The layer's attention as the model defines it."""
+    if kwargs.get("softcap") is not None:
+        softcap = kwargs["softcap"]
+        layer = _layer_inputs(module, query, key, value, attention_mask, scaling, softcap, DEFAULT_QUERY_CHUNK)
+        if kwargs.get("sliding_window") is not None and attention_mask is None:
+            raise ValueError("topology_kv_quality attention: a sliding-window layer came without its mask")
+        out = chunked_dense_attention(layer)  # [H, T, D]
+        return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def topology_kv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The registered attention function (see module doc).
+
+    query ``[1, H, T, D]``, key/value ``[1, Hkv, L, D]`` post-RoPE; returns
+    ``([1, T, H, D], None)`` like transformers' SDPA path.
+    """
+    plan: Optional[SparsePlan] = kwargs.pop(PLAN_KWARG, None)
+    for unsupported in ("s_aux", "sinks", "position_bias"):
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"topology_kv_quality attention: models whose attention takes {unsupported!r}")
+    layer_idx = getattr(module, "layer_idx", None)
+    sparse = (
+        plan is not None
+        and layer_idx in plan.full_attention_layers
+        and kwargs.get("sliding_window") is None
+    )
+    if not sparse:
+        return _model_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+    layer = _layer_inputs(module, query, key, value, attention_mask, scaling, kwargs.get("softcap"), plan.query_chunk)
+    stats = plan.selector_stats.setdefault(layer_idx, {})
+    rows = plan.selector(layer, plan.width, stats)
+    if plan.check_rows:
+        # Order inside a row does not matter to attention; the policy may permute short rows.
+        check_engine_rows(rows, layer.lengths, plan.width, name=f"selector rows at layer {layer_idx}",
+                          ascending_short_rows=False)
+    out = sparse_layer_attention(layer, rows, plan.width, plan.metrics, plan.sink_tokens)  # [H, T, D]
+    plan.sparse_layers.append(layer_idx)
+    return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
