@@ -677,3 +677,20 @@ def test_decode_path_with_policy_and_tracker_update_do_not_sync(decode_case):
         indexer._compute_topk(q, w, cache, fmha, attn, None, drift_tracker=tracker)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_env_sink_tokens_and_structural_budget():
+    from rtp_llm.models_py.modules.hybrid.indexer import IndexerTopologySettings
+    from rtp_llm.models_py.modules.hybrid.topology_kv_policy import StructuralBudget
+
+    env = {"RTP_LLM_TOPOLOGY_KV_POLICY": "topology_sparse_merge", "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS": "4",
+           "RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET": "Scaled"}
+    settings = IndexerTopologySettings.from_env(env)
+    assert settings.policy.sink_tokens == 4
+    assert settings.policy.structural_budget is StructuralBudget.SCALED
+    blocks = IndexerTopologySettings.from_env({**env, "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS": "blocks"})
+    assert blocks.policy.sink_tokens is None
+    for name, bad in [("RTP_LLM_TOPOLOGY_KV_SINK_TOKENS", "-4"), ("RTP_LLM_TOPOLOGY_KV_SINK_TOKENS", "four"),
+                      ("RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET", "elastic")]:
+        with pytest.raises(ValueError, match=name):
+            IndexerTopologySettings.from_env({**env, name: bad})

@@ -38,6 +38,9 @@ FRACTION``
 ``RTP_LLM_TOPOLOGY_KV_MISMATCH_ACTION``     raise, fallback_disabled     fallback_disabled
 ``RTP_LLM_TOPOLOGY_KV_PATHS``               comma list of decode,        all
                                             prefill, cp; or all
+``RTP_LLM_TOPOLOGY_KV_SINK_TOKENS``         integer >= 0, or "blocks"    the policy config's
+                                            (whole sink blocks)          ``sink_tokens``
+``RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET``   fixed, scaled                the policy config's
 =========================================== ============================ ==================
 
 Names are case-insensitive. ``fallback_disabled`` is the default because ``raise`` reads
@@ -59,6 +62,7 @@ from torch import nn
 from rtp_llm.models_py.modules.hybrid import indexer_ref_ops
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import (
     CoordinateMismatchAction,
+    StructuralBudget,
     TopologyKVCounters,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
@@ -83,6 +87,8 @@ ENV_WITNESS_BLOCKS = "RTP_LLM_TOPOLOGY_KV_WITNESS_BLOCKS"
 ENV_MAX_STRUCTURAL_FRACTION = "RTP_LLM_TOPOLOGY_KV_MAX_STRUCTURAL_FRACTION"
 ENV_MISMATCH_ACTION = "RTP_LLM_TOPOLOGY_KV_MISMATCH_ACTION"
 ENV_PATHS = "RTP_LLM_TOPOLOGY_KV_PATHS"
+ENV_SINK_TOKENS = "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS"
+ENV_STRUCTURAL_BUDGET = "RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET"
 
 
 class IndexerPath(enum.Enum):
@@ -107,7 +113,7 @@ def _env_value(environ: Mapping[str, str], name: str) -> Optional[str]:
     return raw
 
 
-def _env_count(environ: Mapping[str, str], name: str, default: int) -> int:
+def _env_count(environ: Mapping[str, str], name: str, default: Optional[int]) -> Optional[int]:
     raw = _env_value(environ, name)
     if raw is None:
         return default
@@ -212,6 +218,13 @@ class IndexerTopologySettings:
             environ, ENV_MISMATCH_ACTION, CoordinateMismatchAction, CoordinateMismatchAction.FALLBACK_DISABLED
         )
         paths = _env_paths(environ, ENV_PATHS)
+        defaults = TopologyKVPolicyConfig()
+        raw_sink_tokens = _env_value(environ, ENV_SINK_TOKENS)
+        if raw_sink_tokens is not None and raw_sink_tokens.strip().lower() == "blocks":
+            sink_tokens = None
+        else:
+            sink_tokens = _env_count(environ, ENV_SINK_TOKENS, defaults.sink_tokens)
+        budget = _env_enum(environ, ENV_STRUCTURAL_BUDGET, StructuralBudget, defaults.structural_budget)
         try:
             policy = TopologyKVPolicyConfig(
                 policy=mode,
@@ -221,6 +234,8 @@ class IndexerTopologySettings:
                 block_size=block_size,
                 max_structural_fraction=fraction,
                 coordinate_mismatch_action=action,
+                sink_tokens=sink_tokens,
+                structural_budget=budget,
             )
         except ValueError as err:
             raise ValueError(
