@@ -32,6 +32,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
     DEFAULT_BLOCK_SIZE,
     score_sort_keys,
     expand_blocks_unchecked,
+    parse_enum_member,
     prioritized_block_schedule_unchecked,
 )
 
@@ -73,15 +74,7 @@ class StructuralBudget(enum.Enum):
 
 
 def _parse_enum(cls, value, setting: str):
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str):
-        key = value.strip().lower()
-        for member in cls:
-            if key in (member.value, member.name.lower()):
-                return member
-    valid = ", ".join(m.value for m in cls)
-    raise ValueError(f"{setting}: expected one of [{valid}] (case-insensitive), got {value!r}")
+    return parse_enum_member(cls, value, setting)
 
 
 def _check_count(name: str, value, minimum: int) -> None:

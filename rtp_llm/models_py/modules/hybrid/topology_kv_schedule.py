@@ -40,6 +40,22 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
+def parse_enum_member(cls, value, setting: str):
+    """The one parser of option names: a member, or its value/name case-insensitively.
+
+    Unknown names raise ``ValueError`` naming ``setting`` and listing the valid values.
+    """
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower()
+        for member in cls:
+            if key in (member.value, member.name.lower()):
+                return member
+    valid = ", ".join(m.value for m in cls)
+    raise ValueError(f"{setting}: expected one of [{valid}] (case-insensitive), got {value!r}")
+
+
 class DriftMetric(enum.Enum):
     """How far a block's key centroid moved from the previous block's centroid."""
 
@@ -49,14 +65,7 @@ class DriftMetric(enum.Enum):
     @classmethod
     def parse(cls, value: Union[str, "DriftMetric"]) -> "DriftMetric":
         """Parse a metric name case-insensitively; unknown names list the valid ones."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            for member in cls:
-                if value.strip().lower() in (member.value, member.name.lower()):
-                    return member
-        valid = ", ".join(m.value for m in cls)
-        raise ValueError(f"drift metric: expected one of [{valid}], got {value!r}")
+        return parse_enum_member(cls, value, "drift metric")
 
 
 class WitnessSignal(enum.Enum):
@@ -76,14 +85,7 @@ class WitnessSignal(enum.Enum):
 
     @classmethod
     def parse(cls, value: Union[str, "WitnessSignal"]) -> "WitnessSignal":
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            for member in cls:
-                if value.strip().lower() in (member.value, member.name.lower()):
-                    return member
-        valid = ", ".join(m.value for m in cls)
-        raise ValueError(f"witness signal: expected one of [{valid}], got {value!r}")
+        return parse_enum_member(cls, value, "witness signal")
 
 
 def _check_int(name: str, value, minimum: int) -> None:
