@@ -13,7 +13,7 @@ the mode's value (e.g. ``topology_sparse_merge``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -46,6 +46,10 @@ class PolicySettings:
         of each window stand in for a stable scaffold (a shared system prompt), whose
         structural blocks the mode represents by one token each. 0: no scaffold, and the
         mode then selects exactly what ``topology_sparse_merge`` does.
+    sink_tokens, structural_budget : the policy's token-granular sinks and budget rule
+        (None / "fixed": the seed's whole sink blocks and fixed fraction)
+    witness_signal : what ranks witness blocks (``WitnessSignal``): ``key_drift`` (seed),
+        ``value_drift`` or ``query_centroid`` (each row's query against block key centroids)
     """
 
     sink_blocks: int = 1
@@ -54,6 +58,9 @@ class PolicySettings:
     block_size: int = 64
     max_structural_fraction: float = 0.25
     scaffold_tokens: int = 0
+    sink_tokens: Optional[int] = None
+    structural_budget: str = "fixed"
+    witness_signal: str = "key_drift"
 
     def config(self, mode: str):
         """A validated ``TopologyKVPolicyConfig``; its errors become ``UsageError``."""
@@ -66,6 +73,8 @@ class PolicySettings:
                 witness_blocks=self.witness_blocks,
                 block_size=self.block_size,
                 max_structural_fraction=self.max_structural_fraction,
+                sink_tokens=self.sink_tokens,
+                structural_budget=self.structural_budget,
             )
         except (TypeError, ValueError) as exc:
             raise UsageError(f"policy settings: {exc}") from exc
@@ -79,17 +88,45 @@ def layer_block_drift(layer: LayerInputs, block_size: int) -> torch.Tensor:
     return schedule.block_drift_scores(centroids).unsqueeze(0)  # [1, N]
 
 
-def make_policy_selector(mode: str, settings: SelectorSettings, policy_settings: PolicySettings = None) -> Selector:
-    """Selector applying policy ``mode`` to the proxy indexer's rows (see module doc)."""
+def layer_witness_scores(layer: LayerInputs, block_size: int, signal: str) -> Tuple[torch.Tensor, bool]:
+    """Witness scores for the layer's rows: (``[1, N]`` shared or ``[T, N]`` per row, shared?)."""
+    _, schedule = _policy()
+    try:
+        signal = schedule.WitnessSignal.parse(signal)
+    except ValueError as exc:
+        raise UsageError(f"--policy-witness-signal: {exc}") from exc
+    if signal is schedule.WitnessSignal.KEY_DRIFT:
+        return layer_block_drift(layer, block_size), True
+    if signal is schedule.WitnessSignal.VALUE_DRIFT:
+        values = layer.value.transpose(0, 1)  # [L, Hkv, D]
+        cents = schedule.block_key_centroids(values, block_size=block_size)
+        return schedule.block_drift_scores(cents).unsqueeze(0), True
+    keys = layer.key.transpose(0, 1)  # [L, Hkv, D]
+    cents = schedule.block_key_centroids(keys, block_size=block_size)  # [N, Hkv, D]
+    query = layer.query.transpose(0, 1)  # [H, T, D] -> [T, H, D]
+    return schedule.query_centroid_scores(query, cents), False  # [T, N]
+
+
+def make_policy_selector(
+    mode: str, settings: SelectorSettings, policy_settings: PolicySettings = None, base_rows=None
+) -> Selector:
+    """Selector applying policy ``mode`` to the proxy indexer's rows (see module doc).
+
+    ``base_rows(layer, width) -> (rows, scores)`` replaces the proxy (a degraded indexer,
+    :mod:`benchmark.quality.failure_modes`); None = the proxy itself.
+    """
     policy, _ = _policy()
     policy_settings = policy_settings or PolicySettings()
     config = policy_settings.config(mode)
+    if base_rows is None:
+        base_rows = lambda layer, width: learned_rows_and_scores(layer, width, settings)  # noqa: E731
     if not config.enabled:
         raise UsageError(f"--selectors: policy mode {mode!r} is disabled (it returns the learned rows: use 'learned')")
 
     def select_policy(layer: LayerInputs, width: int, stats: Dict[str, float]) -> torch.Tensor:
-        rows, scores = learned_rows_and_scores(layer, width, settings)
+        rows, scores = base_rows(layer, width)
         T = rows.shape[0]
+        witness, shared = layer_witness_scores(layer, config.block_size, policy_settings.witness_signal)
         context = None
         if policy_settings.scaffold_tokens:
             # Only the scaffold's length matters to the policy; the ids feed its fingerprint.
@@ -98,8 +135,8 @@ def make_policy_selector(mode: str, settings: SelectorSettings, policy_settings:
             rows,
             layer.lengths,
             config=config,
-            block_drift_scores=layer_block_drift(layer, config.block_size),
-            row_to_request=torch.zeros(T, dtype=torch.int64, device=rows.device),
+            block_drift_scores=witness,
+            row_to_request=torch.zeros(T, dtype=torch.int64, device=rows.device) if shared else None,
             learned_scores=scores,
             context=context,
         )

@@ -208,7 +208,7 @@ def available_selectors() -> Tuple[str, ...]:
     return BUILTIN_SELECTORS + policy_mode_names()
 
 
-def make_selector(name: str, settings: SelectorSettings, policy_settings=None) -> Selector:
+def make_selector(name: str, settings: SelectorSettings, policy_settings=None, failure_settings=None) -> Selector:
     """The selector called ``name`` (case-insensitive); unknown names list the valid ones."""
     key = name.strip().lower()
     if key == "oracle":
@@ -227,8 +227,29 @@ def make_selector(name: str, settings: SelectorSettings, policy_settings=None) -
 
     if key in policy_selectors.policy_mode_names():
         return policy_selectors.make_policy_selector(key, settings, policy_settings)
+    from benchmark.quality import failure_modes
+
+    kind, mode = failure_modes.split_selector_name(key)
+    if kind:
+        failure = failure_settings or failure_modes.FailureSettings()
+        if mode is None:
+            return failure_modes.make_degraded_learned(kind, settings, failure)
+        if mode in policy_selectors.policy_mode_names():
+            stale = failure_modes.StaleKeys()
+            base = lambda layer, width: failure_modes.degraded_rows_and_scores(  # noqa: E731
+                kind, layer, width, settings, failure, stale
+            )
+            return policy_selectors.make_policy_selector(mode, settings, policy_settings, base_rows=base)
     valid = ", ".join(available_selectors() + TEST_ONLY_SELECTORS)
     raise UsageError(f"--selectors: unknown selector {name!r}; expected one of [{valid}]")
+
+
+def _is_failure_selector(key: str) -> bool:
+    """``learned-<failure>`` or ``learned-<failure>+<policy mode>`` (opt-in selectors)."""
+    from benchmark.quality import failure_modes, policy_selectors
+
+    kind, mode = failure_modes.split_selector_name(key)
+    return bool(kind) and (mode is None or mode in policy_selectors.policy_mode_names())
 
 
 def resolve_selector_names(names: Optional[str]) -> Tuple[str, ...]:
@@ -241,7 +262,7 @@ def resolve_selector_names(names: Optional[str]) -> Tuple[str, ...]:
         key = raw.strip().lower()
         if not key:
             continue
-        if key not in valid:
+        if key not in valid and not _is_failure_selector(key):
             raise UsageError(f"--selectors: unknown selector {raw.strip()!r}; expected one of [{', '.join(valid)}]")
         if key not in out:
             out.append(key)
