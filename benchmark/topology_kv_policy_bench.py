@@ -34,6 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import torch
 
 from benchmark import topology_kv_reference as ref
+from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import query_centroid_scores_unchecked
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import (
     CoordinateMismatchAction,
     TopologyKVPolicyConfig,
@@ -45,7 +46,11 @@ ENABLED_MODES = [m.value for m in TopologyKVPolicyMode if m is not TopologyKVPol
 COLUMNS = [
     "mode", "rows", "seq_len", "width", "learned_scores", "policy_ms", "policy_p10_ms", "policy_p90_ms",
     "topk_ms", "copy_ms", "reference_ms", "policy_over_topk", "policy_over_copy", "per_row_us",
+    "witness_query_centroid_ms",
 ]
+# DeepSeek-V3.2's indexer: 64 heads of dim 128 (the query-centroid witness signal uses
+# the indexer's own q and per-block centroids of its keys, one KV head).
+INDEXER_HEADS, INDEXER_DIM = 64, 128
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -149,6 +154,14 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
         drift = torch.rand(R, (L + 63) // 64, generator=gen).to(device)
         scores = torch.rand(R, W, generator=gen).to(device)
         copy_out = torch.empty_like(x)
+        # Hidden cost of the query-aware witness signal: scores of every block for every
+        # row (key drift costs nothing per call: the tracker keeps it up to date).
+        q_idx = torch.randn(R, INDEXER_HEADS, INDEXER_DIM, generator=gen).to(device)
+        cents = torch.randn((L + 63) // 64, 1, INDEXER_DIM, generator=gen).to(device)
+        witness_ms = statistics.median(
+            time_ms(lambda: query_centroid_scores_unchecked(q_idx, cents), device, args.rounds, args.warmup)
+        )
+        del q_idx, cents
         copy_ms = statistics.median(time_ms(lambda: copy_out.copy_(x), device, args.rounds, args.warmup))
         topk_ms = None
         if R * L <= args.max_topk_elements:
@@ -198,6 +211,7 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
                     "policy_over_topk": None if topk_ms is None else policy_ms / topk_ms,
                     "policy_over_copy": policy_ms / copy_ms if copy_ms > 0 else None,
                     "per_row_us": policy_ms * 1e3 / R,
+                    "witness_query_centroid_ms": witness_ms,
                 }
                 results.append(row)
         log(f"[policy-bench] cell {ci + 1}/{len(cells)} rows={R} seq_len={L} done", file=sys.stderr)

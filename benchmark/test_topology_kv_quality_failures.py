@@ -1,0 +1,149 @@
+"""Indexer failure modes, the new policy flags and the raised gate (no model needed:
+synthetic layer inputs and a synthetic grid)."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+from benchmark.quality.failure_modes import (
+    FAILURE_MODES,
+    FailureSettings,
+    StaleKeys,
+    degraded_rows_and_scores,
+    split_selector_name,
+)
+from benchmark.quality.index_rows import check_engine_rows
+from benchmark.quality.layer import LayerInputs
+from benchmark.quality.metrics import LayerMetrics
+from benchmark.quality.policy_selectors import PolicySettings
+from benchmark.quality.raised_gate import evaluate_raised_gate, raised_gate_selectors
+from benchmark.quality.runner import CellResult, DenseResult, GridResult
+from benchmark.quality.selectors import SelectorSettings, learned_rows_and_scores, make_selector
+
+SETTINGS = SelectorSettings(seed=3)
+WIDTH = 40  # rows of length 41..150 are sparse; rows >= WIDTH + drop_tokens must skip the sinks
+
+
+def _layer(seed: int, layer_idx: int = 0, T=150, H=6, Hkv=2, D=16) -> LayerInputs:
+    g = torch.Generator().manual_seed(seed)
+    return LayerInputs.build(
+        layer_idx=layer_idx,
+        query=torch.randn(H, T, D, generator=g),
+        key=torch.randn(Hkv, T, D, generator=g),
+        value=torch.randn(Hkv, T, D, generator=g),
+        scaling=D**-0.5,
+        query_chunk=64,
+    )
+
+
+@pytest.mark.parametrize("kind", FAILURE_MODES)
+def test_failure_rows_keep_the_engine_convention(kind):
+    layer = _layer(0)
+    rows, scores = degraded_rows_and_scores(kind, layer, WIDTH, SETTINGS, FailureSettings(), StaleKeys())
+    check_engine_rows(rows, layer.lengths, WIDTH, name=kind)
+    assert scores.shape == rows.shape
+
+
+def test_nosink_never_selects_the_first_tokens_when_it_can_avoid_them():
+    drop = 4
+    layer = _layer(1)
+    rows, _ = degraded_rows_and_scores("nosink", layer, WIDTH, SETTINGS, FailureSettings(drop_tokens=drop))
+    long_enough = layer.lengths >= WIDTH + drop
+    assert bool(long_enough.any())
+    assert not bool(((rows[long_enough] >= 0) & (rows[long_enough] < drop)).any()), "a sink position was selected"
+    learned, _ = learned_rows_and_scores(layer, WIDTH, SETTINGS)
+    assert bool(((learned[long_enough] >= 0) & (learned[long_enough] < drop)).any()), "the proxy does pick sinks"
+
+
+def test_noisy_is_seeded_and_degrades_with_snr():
+    layer = _layer(2)
+    learned, _ = learned_rows_and_scores(layer, WIDTH, SETTINGS)
+    a, _ = degraded_rows_and_scores("noisy", layer, WIDTH, SETTINGS, FailureSettings(noise_snr=1.0))
+    b, _ = degraded_rows_and_scores("noisy", layer, WIDTH, SETTINGS, FailureSettings(noise_snr=1.0))
+    assert torch.equal(a, b), "same seed, same rows"
+
+    def overlap(rows):
+        return sum(len(set(r.tolist()) & set(l.tolist())) for r, l in zip(rows, learned)) / rows.numel()
+
+    quiet, _ = degraded_rows_and_scores("noisy", layer, WIDTH, SETTINGS, FailureSettings(noise_snr=100.0))
+    assert overlap(quiet) > overlap(a) and overlap(a) < 1.0
+
+
+def test_stale_ranks_with_the_previous_layers_keys():
+    first, second = _layer(3, layer_idx=0), _layer(4, layer_idx=1)
+    stale = StaleKeys()
+    r0, _ = degraded_rows_and_scores("stale", first, WIDTH, SETTINGS, FailureSettings(), stale)
+    assert torch.equal(r0, learned_rows_and_scores(first, WIDTH, SETTINGS)[0]), "first layer: own keys"
+    r1, _ = degraded_rows_and_scores("stale", second, WIDTH, SETTINGS, FailureSettings(), stale)
+    mixed = LayerInputs.build(layer_idx=1, query=second.query, key=first.key, value=second.value,
+                              scaling=second.scaling, query_chunk=64)
+    assert torch.equal(r1, learned_rows_and_scores(mixed, WIDTH, SETTINGS)[0])
+
+
+@pytest.mark.parametrize("name", ["learned-nosink", "learned-noisy+topology_sparse_merge",
+                                  "learned-stale+topology_compress_sparse"])
+def test_failure_selectors_build_and_keep_the_convention(name):
+    policy = PolicySettings(sink_tokens=4, witness_signal="query_centroid")
+    select = make_selector(name, SETTINGS, policy)
+    layer = _layer(5)
+    rows = select(layer, WIDTH, {})
+    check_engine_rows(rows, layer.lengths, WIDTH, name=name, ascending_short_rows=False)
+
+
+def test_split_selector_name():
+    assert split_selector_name("learned-nosink+topology_only") == ("nosink", "topology_only")
+    assert split_selector_name("learned-stale") == ("stale", None)
+    assert split_selector_name("learned") == ("", None)
+
+
+@pytest.mark.parametrize("signal", ["key_drift", "value_drift", "query_centroid"])
+def test_policy_selector_with_each_witness_signal(signal):
+    select = make_selector("topology_sparse_merge", SETTINGS, PolicySettings(witness_signal=signal))
+    layer = _layer(6)
+    rows = select(layer, WIDTH, {})
+    check_engine_rows(rows, layer.lengths, WIDTH, name=signal, ascending_short_rows=False)
+
+
+def _cell(selector, budget, ppl, recall=None):
+    import math
+
+    c = CellResult(context=100, budget=budget, width=int(100 * budget), selector=selector,
+                   nll_sum=math.log(ppl) * 10, tokens=10)
+    if recall is not None:
+        m = LayerMetrics()
+        for layer, value in enumerate(recall):
+            m.add(layer, recall=torch.tensor([value]), cos_diff=torch.tensor([0.0]), top1=torch.tensor([1.0]),
+                  sink=torch.tensor([1.0]))
+        c.metrics = m
+    return c
+
+
+def test_raised_gate_hand_computed():
+    import math
+
+    b1, b2 = Fraction(1, 16), Fraction(1, 4)
+    dense = DenseResult(context=100, nll_sum=math.log(10.0) * 10, tokens=10)
+    cells = [
+        _cell("learned", b1, 12.0), _cell("learned", b2, 11.0),
+        _cell("topology_sparse_merge", b1, 12.01), _cell("topology_sparse_merge", b2, 10.9),  # +0.08%, -0.9%
+        _cell("topology_compress_sparse", b1, 12.5), _cell("topology_compress_sparse", b2, 11.5),
+        _cell("learned-nosink", b1, 20.0), _cell("learned-nosink+topology_sparse_merge", b1, 14.0),  # 60%
+        _cell("learned-nosink+topology_compress_sparse", b1, 19.0),
+        _cell("learned-stale", b1, 16.0), _cell("learned-stale+topology_sparse_merge", b1, 15.0),  # 17%
+        _cell("topology_only", b1, 13.0, recall=[0.5, 0.6, 0.7]), _cell("locality", b1, 13.5, recall=[0.4, 0.7, 0.6]),
+    ]
+    checks = {c.name.split(":")[0]: c for c in evaluate_raised_gate(GridResult({100: dense}, cells, {}))}
+    assert checks["best merge vs learned at 1/16 (ctx 100)"].passed is True  # within +0.1%, not strict below 1/8
+    assert checks["best merge vs learned at 1/4 (ctx 100)"].passed is True
+    assert checks["failure 'nosink'"].passed is True
+    assert checks["failure 'stale'"].passed is False
+    assert checks["failure 'noisy'"].passed is None  # not run
+    assert checks["witness signal"].passed is True  # 2 of 3 layers
+
+
+def test_raised_gate_selectors_add_what_it_needs():
+    names = raised_gate_selectors(["oracle"])
+    assert names[0] == "oracle" and "learned-noisy+topology_sparse_merge" in names and "locality" in names
