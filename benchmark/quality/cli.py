@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.add_argument("--query-chunk", type=int, default=256, help="query rows per attention chunk")
     g.add_argument("--logits-chunk", type=int, default=1024, help="positions per lm_head call")
+    g.add_argument("--metric-stride", type=int, default=1, help="per-layer metrics on every n-th query row only "
+                   "(the metric pass costs ~2x the sparse attention; e.g. 4 for --full)")
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--skip-self-check", action="store_true", help="skip the select-all == dense logits check "
                    "that runs before the grid (512 tokens, a few seconds)")
@@ -136,7 +138,7 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         selectors = tuple(raised_gate_selectors(selectors))
     if args.windows < 1:
         raise UsageError(f"--windows: expected >= 1, got {args.windows}")
-    for flag in ("query_chunk", "logits_chunk"):
+    for flag in ("query_chunk", "logits_chunk", "metric_stride"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
     if args.scaffold_tokens < 0:
@@ -243,6 +245,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         query_chunk=args.query_chunk,
         logits_chunk=args.logits_chunk,
         metric_sink_tokens=args.sink_tokens,
+        metric_stride=args.metric_stride,
     )
     self_check = None
     if not args.skip_self_check:
@@ -258,7 +261,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         "text": {"novel": args.novel, "novel_tokens": len(token_ids), "windows": args.windows,
                  "window_seed": args.window_seed, "source": corpus.source, "add_special_tokens": False},
         "grid": {"contexts": list(cfg["contexts"]), "budgets": [str(b) for b in cfg["budgets"]],
-                 "selectors": list(cfg["selectors"])},
+                 "selectors": list(cfg["selectors"]), "query_chunk": args.query_chunk,
+                 "logits_chunk": args.logits_chunk, "metric_stride": args.metric_stride},
         "selector_settings": vars(cfg["selector_settings"]),
         "policy_settings": vars(cfg["policy_settings"]),
         "gate_thresholds": {k: str(v) for k, v in vars(cfg["gate"]).items()},

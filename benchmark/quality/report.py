@@ -118,7 +118,8 @@ def write_plots(grid: GridResult, selector_order: Sequence[str], out_dir: Path) 
                 ax.set_title(f"context {ctx}")
                 ax.legend(fontsize=7)
             else:
-                ax.set_ylim(0.99, 1.10)
+                lowest = min((c.ppl / grid.dense[ctx].ppl for c in grid.cells if c.context == ctx), default=1.0)
+                ax.set_ylim(min(0.99, lowest - 0.005), 1.10)
                 ax.set_ylabel("perplexity / dense (zoom)")
     fig.tight_layout()
     path = out_dir / "ppl_ratio_vs_budget.png"

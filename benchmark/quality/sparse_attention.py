@@ -51,6 +51,8 @@ class SparsePlan:
     query_chunk : query rows per attention chunk
     sink_tokens : first positions counted by the sink-retention metric
     check_rows : validate every selector output against the engine's convention
+    metric_stride : measure metrics on every ``metric_stride``-th query row only (1 = all);
+        the metric pass costs about twice the sparse attention itself
     selector_stats : layer -> counters the selector reported (policy counters)
     sparse_layers : layers that actually ran sparse in this forward, in call order
     """
@@ -62,6 +64,7 @@ class SparsePlan:
     query_chunk: int = DEFAULT_QUERY_CHUNK
     sink_tokens: int = 4
     check_rows: bool = True
+    metric_stride: int = 1
     selector_stats: Dict[int, Dict[str, float]] = dataclasses.field(default_factory=dict)
     sparse_layers: list = dataclasses.field(default_factory=list)
 
@@ -108,7 +111,12 @@ def chunked_dense_attention(layer: LayerInputs) -> torch.Tensor:
 
 
 def sparse_layer_attention(
-    layer: LayerInputs, rows: torch.Tensor, width: int, metrics: Optional[LayerMetrics], sink_tokens: int
+    layer: LayerInputs,
+    rows: torch.Tensor,
+    width: int,
+    metrics: Optional[LayerMetrics],
+    sink_tokens: int,
+    metric_stride: int = 1,
 ) -> torch.Tensor:
     """Attention restricted to ``rows`` (int ``[T, W]``, engine convention): fp32 ``[H, T, D]``.
 
@@ -117,8 +125,9 @@ def sparse_layer_attention(
     recall ``mean_h sum_{s in S} p_h[s]``; cosine difference ``1 - 2<a,b>/(|a|^2+|b|^2)``
     of the ``[H*D]`` dense and sparse outputs; top-1 hit (share of heads whose dense
     argmax key is in ``S``); sink retention (share of the first ``sink_tokens`` positions
-    in ``S``). Recall uses ``exp(logit - logsumexp)`` at the ``W`` selected keys only, so
-    no second ``[H, Tc, L]`` softmax is formed.
+    in ``S``). Only every ``metric_stride``-th query row is measured. Recall uses
+    ``exp(logit - logsumexp)`` at the ``W`` selected keys only, so no second
+    ``[H, Tc, L]`` softmax is formed.
     """
     H, T, _ = layer.query.shape
     selected = rows_to_mask(rows, layer.key_length)  # [T, L] bool
@@ -128,13 +137,21 @@ def sparse_layer_attention(
         sel = selected[c0:c1, :lc] & allowed
         out[:, c0:c1] = layer.masked_attention(c0, c1, lc, sel)
         long_rows = layer.lengths[c0:c1] > width  # [Tc]
+        if metric_stride > 1:
+            long_rows &= torch.arange(c0, c1, device=long_rows.device) % metric_stride == 0
         if metrics is None or not bool(long_rows.any()):
             continue
-        keep = torch.nonzero(long_rows).squeeze(1)  # harness code: a host sync is fine here
-        allowed_k, sel_k = allowed[keep], sel[keep]  # [Tk, lc]
-        logits = layer.logits(c0, c1, lc)[:, keep].masked_fill_(~allowed_k.unsqueeze(0), float("-inf"))  # [H, Tk, lc]
+        logits = layer.logits(c0, c1, lc)  # [H, Tc, lc]
+        if bool(long_rows.all()):
+            keep, allowed_k, sel_k = None, allowed, sel
+        else:
+            keep = torch.nonzero(long_rows).squeeze(1)  # harness code: a host sync is fine here
+            allowed_k, sel_k, logits = allowed[keep], sel[keep], logits[:, keep]  # [Tk, lc], [H, Tk, lc]
+        # Only the last c1 - c0 columns can be masked (causal, or the model's own mask).
+        tail = max(0, lc - (c1 - c0)) if layer.allowed is None else 0
+        logits[:, :, tail:].masked_fill_(~allowed_k[:, tail:].unsqueeze(0), float("-inf"))
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [H, Tk, 1]
-        rows_k = rows[c0:c1][keep].to(torch.int64)  # [Tk, W]
+        rows_k = (rows[c0:c1] if keep is None else rows[c0:c1][keep]).to(torch.int64)  # [Tk, W]
         idx = rows_k.clamp(min=0)
         kept = (torch.gather(sel_k, 1, idx) & (rows_k >= 0)).unsqueeze(0)  # [1, Tk, W]
         p_sel = torch.exp(torch.gather(logits, 2, idx.unsqueeze(0).expand(H, -1, -1)) - lse) * kept  # [H, Tk, W]
@@ -142,7 +159,7 @@ def sparse_layer_attention(
         top1 = torch.gather(sel_k, 1, logits.argmax(dim=-1).transpose(0, 1)).to(torch.float32).mean(dim=1)
         sink = sel_k[:, :sink_tokens].to(torch.float32).mean(dim=1)
         a = layer.masked_attention(c0, c1, lc, allowed_k, rows=keep).transpose(0, 1).flatten(1)  # [Tk, H*D]
-        b = out[:, c0:c1][:, keep].transpose(0, 1).flatten(1)
+        b = (out[:, c0:c1] if keep is None else out[:, c0:c1][:, keep]).transpose(0, 1).flatten(1)
         cos_diff = 1.0 - 2.0 * (a * b).sum(-1) / ((a * a).sum(-1) + (b * b).sum(-1)).clamp(min=1e-30)
         metrics.add(layer.layer_idx, recall=recall, cos_diff=cos_diff, top1=top1, sink=sink)
     return out
@@ -187,6 +204,6 @@ def topology_kv_attention(module, query, key, value, attention_mask, scaling=Non
         # Order inside a row does not matter to attention; the policy may permute short rows.
         check_engine_rows(rows, layer.lengths, plan.width, name=f"selector rows at layer {layer_idx}",
                           ascending_short_rows=False)
-    out = sparse_layer_attention(layer, rows, plan.width, plan.metrics, plan.sink_tokens)  # [H, T, D]
+    out = sparse_layer_attention(layer, rows, plan.width, plan.metrics, plan.sink_tokens, plan.metric_stride)
     plan.sparse_layers.append(layer_idx)
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
