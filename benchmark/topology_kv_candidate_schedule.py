@@ -61,9 +61,9 @@ state is explicit (``--cache``):
   selected path's ~10 small ops pays tens of microseconds of misses; a pessimistic
   bound there. On a GPU it evicts L2 (the usual ``do_bench`` practice).
 
-Threads (CPU): every kernel is timed at each count of ``--threads`` (default 1 and
-torch's default) and reported at its fastest, the baseline included; the thread
-counts of the attention kernels' fastest runs are columns.
+Threads (CPU): the whole session runs once per count of ``--threads`` (default 1 and
+torch's default) and every kernel is reported at its fastest, the baseline included;
+the thread counts of the attention kernels' fastest runs are columns.
 On the 2-core dev box the selected path is fastest on one thread: its gather and its
 two small GEMMs each take tens of microseconds, and a 2-thread OpenMP fork/join plus
 moving the gathered rows between the cores' L2 caches cost more than they save.
@@ -138,7 +138,7 @@ COLUMNS = (
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Larger than the last-level cache of the machines we run on (32 MiB L3 on the 2-core
-# EPYC dev box, 60 MiB L2 on H100/H200), so rewriting it evicts the KV cache.
+# EPYC dev box, 50 MiB L2 on H100/H200), so rewriting it evicts the KV cache.
 _FLUSH_BYTES = 256 * 1024 * 1024
 
 
@@ -307,10 +307,10 @@ def selected_decode_attention(
     _check_decode_inputs(q, k, v)
     if not isinstance(token_indices, torch.Tensor):
         raise TypeError(f"token_indices: expected torch.Tensor, got {type(token_indices).__name__}")
-    if token_indices.dtype != torch.int64 or token_indices.dim() != 1:
-        raise ValueError(
-            f"token_indices: expected int64 [S], got {token_indices.dtype} {tuple(token_indices.shape)}"
-        )
+    if token_indices.dtype != torch.int64:
+        raise TypeError(f"token_indices: expected dtype int64, got {token_indices.dtype}")
+    if token_indices.dim() != 1:
+        raise ValueError(f"token_indices: expected shape [S], got {tuple(token_indices.shape)}")
     if token_indices.device != q.device:
         raise ValueError(f"token_indices: expected device {q.device}, got {token_indices.device}")
     S, L = token_indices.shape[0], k.shape[0]
@@ -537,8 +537,7 @@ def _device_name(device: torch.device) -> str:
 def torch_threads(num_threads: Optional[int]):
     """Run the block with ``torch.set_num_threads(num_threads)``; None changes nothing.
 
-    The previous count is restored on exit. Switching costs well under a microsecond
-    (0.4 us per set/restore pair measured on the 2-core dev box).
+    The previous count is restored on exit.
     """
     if num_threads is None:
         yield
@@ -551,21 +550,9 @@ def torch_threads(num_threads: Optional[int]):
         torch.set_num_threads(previous)
 
 
-def _with_threads(num_threads: Optional[int], fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` run under :func:`torch_threads` (the switch is inside the timed call)."""
-    if num_threads is None:
-        return fn
-
-    def call():
-        with torch_threads(num_threads):
-            return fn()
-
-    return call
-
-
-def _best(stats: Dict[str, TimingStats], family: str, thread_counts: Sequence[Optional[int]]):
-    """(thread count, stats) of the fastest median among ``family@threads`` entries."""
-    return min(((n, stats[f"{family}@{n}"]) for n in thread_counts), key=lambda item: item[1].median_ms)
+def _best(stats: Dict[Optional[int], Dict[str, TimingStats]], name: str):
+    """(thread count, stats) of the fastest median of kernel ``name`` over the sessions."""
+    return min(((n, by_name[name]) for n, by_name in stats.items()), key=lambda item: item[1].median_ms)
 
 
 def run_benchmark(config: BenchmarkConfig, log: Callable[[str], None] = lambda s: None) -> List[dict]:
@@ -573,10 +560,10 @@ def run_benchmark(config: BenchmarkConfig, log: Callable[[str], None] = lambda s
 
     All kernels of all budgets are timed in one interleaved session (see
     :func:`time_kernels`), so the dense baseline, timed once per round, sits beside
-    every budget's selected path under the same noise. Every kernel (attention and
-    schedule) is timed at each CPU thread count of ``config.threads`` and reported at
-    its fastest: each kernel, the baseline included, gets its best setting. On CUDA the
-    thread count does not apply.
+    every budget's selected path under the same noise. On CPU there is one session per
+    thread count of ``config.threads`` and every kernel (attention and schedule) is
+    reported at its fastest: each kernel, the baseline included, gets its best
+    setting. On CUDA the thread count does not apply (one session).
     """
     device = torch.device(config.device)
     dtype = _DTYPES[config.dtype]
@@ -597,10 +584,10 @@ def run_benchmark(config: BenchmarkConfig, log: Callable[[str], None] = lambda s
         atol=tol, rtol=tol, msg="dense matmul vs dense SDPA",
     )
     drift = block_drift_from_keys(k, config.block_size)  # [N]
-    kernels: Dict[str, Callable[[], object]] = {}
-    for n in thread_counts:
-        kernels[f"dense_sdpa@{n}"] = _with_threads(n, lambda: dense_sdpa_decode_attention_unchecked(q, k, v))
-        kernels[f"dense_matmul@{n}"] = _with_threads(n, lambda: dense_matmul_decode_attention_unchecked(q, k, v))
+    kernels: Dict[str, Callable[[], object]] = {
+        "dense_sdpa": functools.partial(dense_sdpa_decode_attention_unchecked, q, k, v),
+        "dense_matmul": functools.partial(dense_matmul_decode_attention_unchecked, q, k, v),
+    }
     attended = {}
     for budget in config.selected_tokens:
         token_indices = candidate_token_indices(k, budget, config.block_size)  # [S]
@@ -615,28 +602,31 @@ def run_benchmark(config: BenchmarkConfig, log: Callable[[str], None] = lambda s
             f"[topology_kv] S={budget}: {attended[budget]} candidate tokens ({schedule.sink_blocks} sink + "
             f"{schedule.local_blocks} local + {schedule.witness_blocks} witness blocks), matches the reference"
         )
-        for n in thread_counts:
-            kernels[f"sparse{budget}@{n}"] = _with_threads(
-                n, functools.partial(selected_decode_attention_unchecked, q, k, v, token_indices, workspace)
-            )
-            kernels[f"schedule{budget}@{n}"] = _with_threads(
-                n, functools.partial(candidate_token_indices, k, budget, config.block_size)
-            )
-            kernels[f"select{budget}@{n}"] = _with_threads(
-                n, functools.partial(candidate_token_indices_from_drift, drift, L, budget, config.block_size)
-            )
-    log(f"[topology_kv] timing {len(kernels)} kernels: {config.warmup} warm-up calls each, "
-        f"{config.rounds} interleaved rounds, {config.cache.value} caches")
-    stats = time_kernels(kernels, config.rounds, config.warmup, device, config.cache)
-    sdpa_threads, sdpa = _best(stats, "dense_sdpa", thread_counts)
-    matmul_threads, matmul = _best(stats, "dense_matmul", thread_counts)
+        kernels[f"sparse{budget}"] = functools.partial(
+            selected_decode_attention_unchecked, q, k, v, token_indices, workspace
+        )
+        kernels[f"schedule{budget}"] = functools.partial(candidate_token_indices, k, budget, config.block_size)
+        kernels[f"select{budget}"] = functools.partial(
+            candidate_token_indices_from_drift, drift, L, budget, config.block_size
+        )
+    # One session per thread count: switching counts between calls leaves the idle
+    # OpenMP workers of the larger team spinning next to the next call (measured: a
+    # 0.7 ms selected call then sometimes took 5 ms on the loaded 2-core box).
+    stats: Dict[Optional[int], Dict[str, TimingStats]] = {}
+    for n in thread_counts:
+        log(f"[topology_kv] timing {len(kernels)} kernels on {n or 'default'} thread(s): {config.warmup} "
+            f"warm-up calls each, {config.rounds} interleaved rounds, {config.cache.value} caches")
+        with torch_threads(n):
+            stats[n] = time_kernels(kernels, config.rounds, config.warmup, device, config.cache)
+    sdpa_threads, sdpa = _best(stats, "dense_sdpa")
+    matmul_threads, matmul = _best(stats, "dense_matmul")
     baseline, best_dense = ("matmul", matmul) if matmul.median_ms < sdpa.median_ms else ("sdpa", sdpa)
     default_threads = torch.get_num_threads()
     rows = []
     for budget in config.selected_tokens:
-        sparse_threads, sparse = _best(stats, f"sparse{budget}", thread_counts)
-        _, schedule = _best(stats, f"schedule{budget}", thread_counts)
-        _, select = _best(stats, f"select{budget}", thread_counts)
+        sparse_threads, sparse = _best(stats, f"sparse{budget}")
+        _, schedule = _best(stats, f"schedule{budget}")
+        _, select = _best(stats, f"select{budget}")
         speedup = best_dense.median_ms / sparse.median_ms
         ideal = L / budget
         row = {
@@ -711,8 +701,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="tokens per KV block (default 64, the engine's page size)")
     p.add_argument("--seed", type=int, default=0, help="seed of the private generator (default 0)")
     p.add_argument("--threads", type=int, nargs="+", default=None,
-                   help="CPU thread counts to time every attention kernel at; each kernel is "
-                        "reported at its fastest (default: 1 and torch's default)")
+                   help="CPU thread counts; the timing session runs at each and every kernel is "
+                        "reported at its fastest (default: 1 and torch's default; ignored on cuda)")
     p.add_argument("--cache", default="warm", choices=tuple(m.value for m in CacheMode),
                    help="warm: an identical untimed call precedes every timed call (hot loop); "
                         "cold: a 256 MiB buffer is zeroed first (default warm)")
