@@ -31,29 +31,11 @@ from benchmark.quality.selectors import (
     make_selector,
 )
 from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan, sparse_layer_attention, topology_kv_attention
+from benchmark.quality.sample_text import PRIDE_AND_PREJUDICE_OPENING
 from benchmark.quality.text import reflow, sample_windows
 
 # Opening of Pride and Prejudice (public domain), enough for NUM_TOKENS tokens.
-TEXT = (
-    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
-    "want of a wife.\n\nHowever little known the feelings or views of such a man may be on his first entering a "
-    "neighbourhood, this truth is so well fixed in the minds of the surrounding families, that he is considered "
-    "the rightful property of some one or other of their daughters.\n\n\"My dear Mr. Bennet,\" said his lady to "
-    "him one day, \"have you heard that Netherfield Park is let at last?\"\n\nMr. Bennet replied that he had not."
-    "\n\n\"But it is,\" returned she; \"for Mrs. Long has just been here, and she told me all about it.\"\n\nMr. "
-    "Bennet made no answer.\n\n\"Do you not want to know who has taken it?\" cried his wife impatiently.\n\n"
-    "\"_You_ want to tell me, and I have no objection to hearing it.\"\n\nThis was invitation enough.\n\n\"Why, "
-    "my dear, you must know, Mrs. Long says that Netherfield is taken by a young man of large fortune from the "
-    "north of England; that he came down on Monday in a chaise and four to see the place, and was so much "
-    "delighted with it, that he agreed with Mr. Morris immediately; that he is to take possession before "
-    "Michaelmas, and some of his servants are to be in the house by the end of next week.\"\n\n\"What is his "
-    "name?\"\n\n\"Bingley.\"\n\n\"Is he married or single?\"\n\n\"Oh! Single, my dear, to be sure! A single man "
-    "of large fortune; four or five thousand a year. What a fine thing for our girls!\"\n\n\"How so? How can it "
-    "affect them?\"\n\n\"My dear Mr. Bennet,\" replied his wife, \"how can you be so tiresome! You must know "
-    "that I am thinking of his marrying one of them.\"\n\n\"Is that his design in settling here?\"\n\n\"Design! "
-    "Nonsense, how can you talk so! But it is very likely that he _may_ fall in love with one of them, and "
-    "therefore you must visit him as soon as he comes.\""
-)
+TEXT = PRIDE_AND_PREJUDICE_OPENING
 NUM_TOKENS = 320  # 5 pages of 64: spans sink, local and witness blocks
 NUM_LAYERS = 3  # first layers only: the selector and hook code is the same for every layer
 # Widths: 1 (a single token), 37 and 64 (inside / on a page boundary), 100 (sparse rows

@@ -278,7 +278,7 @@ def format_summary(summary: Dict) -> str:
         div = best["first_divergence_from_dense"]
         out.append(
             f"Best end-to-end trade-off at context {best['context']}: {best['variant']} "
-            f"{best['speedup_vs_dense']:.2f}x dense step time ({best['dense_token_ms']:.1f} ms dense), "
+            f"speedup {best['speedup_vs_dense']:.2f}x over dense ({best['dense_token_ms']:.1f} ms dense), "
             f"KV bytes {best['kv_bytes_vs_dense']:.2f}x dense, greedy tokens "
             + ("identical to dense" if div is None else f"diverge from dense at token {div}")
         )
