@@ -57,50 +57,43 @@ def _tee_stdout(fn: Callable[[], int]) -> str:
     return buf.getvalue()
 
 
+def _run_json_part(main: Callable[[Sequence[str]], int], script: str, argv: List[str], path: Path) -> Dict:
+    """Run a benchmark's ``main(argv + --json path)``; its JSON plus the printed table and command."""
+    table = _tee_stdout(lambda: main(argv + ["--json", str(path)]))
+    payload = json.loads(path.read_text())
+    payload["table"] = table
+    payload["command"] = f"python benchmark/{script} " + " ".join(argv)
+    return payload
+
+
 def run_micro(out_dir: Path, quick: bool, device: str) -> Dict:
     from benchmark import topology_kv_candidate_schedule as micro
 
-    path = out_dir / "micro.json"
     if quick:
         argv = ["--seq-len", "4096", "--selected-tokens", "128", "256", "--rounds", "10", "--warmup", "3"]
     else:  # the issue's screening command line
         argv = ["--seq-len", "16384", "--selected-tokens", "128", "256", "512", "1024", "--heads", "16",
                 "--head-dim", "64", "--rounds", "60", "--warmup", "20"]
-    argv += ["--device", device, "--json", str(path)]
-    table = _tee_stdout(lambda: micro.main(argv))
-    payload = json.loads(path.read_text())
-    payload["table"] = table
-    payload["command"] = "python benchmark/topology_kv_candidate_schedule.py " + " ".join(argv[:-2])
-    return payload
+    return _run_json_part(micro.main, "topology_kv_candidate_schedule.py", argv + ["--device", device],
+                          out_dir / "micro.json")
 
 
 def run_policy(out_dir: Path, quick: bool, device: str) -> Dict:
     from benchmark import topology_kv_policy_bench as bench
 
-    path = out_dir / "policy.json"
     if quick:
         argv = ["--quick"]
     else:
         argv = ["--rows", "256", "1024", "--lengths", "8192", "32768", "131072", "--rounds", "5", "--warmup", "1"]
-    argv += ["--device", device, "--json", str(path)]
-    table = _tee_stdout(lambda: bench.main(argv))
-    payload = json.loads(path.read_text())
-    payload["table"] = table
-    payload["command"] = "python benchmark/topology_kv_policy_bench.py " + " ".join(argv[:-2])
-    return payload
+    return _run_json_part(bench.main, "topology_kv_policy_bench.py", argv + ["--device", device],
+                          out_dir / "policy.json")
 
 
 def run_e2e(out_dir: Path, quick: bool, device: str) -> Dict:
     from benchmark import topology_kv_decode_e2e as e2e
 
-    path = out_dir / "e2e.json"
     argv = ["--quick"] if quick else ["--contexts", "2048", "4096", "8192", "--new-tokens", "12", "--warmup", "2"]
-    argv += ["--json", str(path)]
-    table = _tee_stdout(lambda: e2e.main(argv))
-    payload = json.loads(path.read_text())
-    payload["table"] = table
-    payload["command"] = "python benchmark/topology_kv_decode_e2e.py " + " ".join(argv[:-2])
-    return payload
+    return _run_json_part(e2e.main, "topology_kv_decode_e2e.py", argv, out_dir / "e2e.json")
 
 
 def run_quality(out_dir: Path, quick: bool, device: str) -> Dict:
