@@ -3,6 +3,7 @@ synthetic layer inputs and a synthetic grid)."""
 
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 
 import pytest
@@ -99,9 +100,11 @@ def test_split_selector_name():
     assert split_selector_name("learned") == ("", None)
 
 
-@pytest.mark.parametrize("signal", ["key_drift", "value_drift", "query_centroid"])
-def test_policy_selector_with_each_witness_signal(signal):
-    select = make_selector("topology_sparse_merge", SETTINGS, PolicySettings(witness_signal=signal))
+@pytest.mark.parametrize("mode", ["topology_sparse_merge", "topology_only"])
+@pytest.mark.parametrize("signal", ["key_drift", "value_drift", "query_centroid", "query_mass", "query_bound"])
+def test_policy_selector_with_each_witness_signal(signal, mode):
+    policy = PolicySettings(witness_signal=signal, sink_tokens=4, block_size=8, local_blocks=2)
+    select = make_selector(mode, SETTINGS, policy)
     layer = _layer(6)
     rows = select(layer, WIDTH, {})
     check_engine_rows(rows, layer.lengths, WIDTH, name=signal, ascending_short_rows=False)
@@ -147,3 +150,27 @@ def test_raised_gate_hand_computed():
 def test_raised_gate_selectors_add_what_it_needs():
     names = raised_gate_selectors(["oracle"])
     assert names[0] == "oracle" and "learned-noisy+topology_sparse_merge" in names and "locality" in names
+
+
+@pytest.mark.parametrize("signal", ["query_mass", "query_bound"])
+def test_query_aware_witnesses_find_the_block_the_query_attends(signal):
+    # Every query points along e0; only the keys of block 3 (tokens 24..31, block size 8)
+    # do. topology_only with 4 sink tokens and 2 local blocks has room for witnesses at
+    # W=32: the query-aware signals must spend it on block 3; recency would not.
+    T, D = 128, 8
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(1, T, D, generator=gen) * 0.1
+    key[0, 24:32, 0] = 4.0
+    query = torch.zeros(2, T, D)
+    query[:, :, 0] = 4.0
+    layer = LayerInputs.build(layer_idx=0, query=query, key=key, value=torch.randn(1, T, D, generator=gen),
+                              scaling=D ** -0.5, query_chunk=64)
+    policy = PolicySettings(witness_signal=signal, sink_tokens=4, block_size=8, local_blocks=2)
+    rows = make_selector("topology_only", SETTINGS, policy)(layer, 32, {})
+    for t in (60, 100, T - 1):  # rows whose local window lies well past block 3
+        assert set(range(24, 32)) <= set(rows[t].tolist()), (signal, t, rows[t].tolist())
+    key[0, 40:48, 1] = 4.0  # a second content change, orthogonal to the queries, must not distract
+    layer = dataclasses.replace(layer, key=key)
+    rows = make_selector("topology_only", SETTINGS, policy)(layer, 32, {})
+    assert set(range(24, 32)) <= set(rows[T - 1].tolist())
+    assert not set(range(40, 48)) & set(rows[T - 1].tolist())

@@ -293,3 +293,137 @@ def test_query_centroid_scores_hand_computed_and_vs_loop():
             assert abs(float(got[r, b]) - want) < 1e-4
     with pytest.raises(ValueError, match="key_centroids"):
         query_centroid_scores(q.to(DEVICE), torch.zeros(5, 4, 8, device=DEVICE))  # 4 does not divide 6
+
+
+def test_block_key_bounds_hand_computed_and_lengths():
+    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import block_key_bounds
+
+    # L=3, H=1, D=2, block 2: block 0 = tokens 0-1, block 1 = token 2.
+    keys = torch.tensor([[[1.0, -2.0]], [[3.0, 5.0]], [[-4.0, 0.5]]], device=DEVICE)
+    kmin, kmax = block_key_bounds(keys, block_size=2)
+    assert kmin.squeeze(1).tolist() == [[1.0, -2.0], [-4.0, 0.5]]
+    assert kmax.squeeze(1).tolist() == [[3.0, 5.0], [-4.0, 0.5]]
+    # Batched with lengths: the second request holds 1 token, so its block 1 is empty (zeros)
+    # and its block 0 is token 0 alone.
+    kmin, kmax = block_key_bounds(torch.stack([keys, keys]), block_size=2, lengths=torch.tensor([3, 1], device=DEVICE))
+    assert kmin[1].squeeze(1).tolist() == [[1.0, -2.0], [0.0, 0.0]]
+    assert kmax[1].squeeze(1).tolist() == [[1.0, -2.0], [0.0, 0.0]]
+    with pytest.raises(ValueError, match="lengths: only valid with batched keys"):
+        block_key_bounds(keys, block_size=2, lengths=torch.tensor([1]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    L=st.integers(1, 40),
+    bs=st.sampled_from([1, 3, 8, 16]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_block_key_bounds_vs_reference(L, bs, dtype, seed):
+    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import block_key_bounds
+
+    keys = (torch.randn(2, L, 2, 3, generator=_gen(seed)) * 10).to(dtype)
+    lengths = torch.randint(1, L + 1, (2,), generator=_gen(seed + 1))
+    kmin, kmax = block_key_bounds(keys.to(DEVICE), block_size=bs, lengths=lengths.to(DEVICE))
+    for b in range(2):
+        want_min, want_max = ref.reference_block_key_bounds(keys[b], bs, int(lengths[b]))
+        # min/max pick one of the inputs: exact after the fp32 cast.
+        assert torch.equal(kmin[b].cpu().to(torch.float64), want_min)
+        assert torch.equal(kmax[b].cpu().to(torch.float64), want_max)
+
+
+def test_query_bound_scores_hand_computed():
+    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import query_bound_scores
+
+    # One head, D=2, scale 1: q = (1, -1). Block 0 keys in [0,2] x [-1,1]: u = 1*2 + (-1)(-1) = 3.
+    # Block 1 keys in [-1,0] x [0,3]: u = 1*0 + (-1)*0 = 0. Softmax: e^3/(e^3+1), 1/(e^3+1).
+    q = torch.tensor([[[1.0, -1.0]]], device=DEVICE)
+    kmin = torch.tensor([[[0.0, -1.0]], [[-1.0, 0.0]]], device=DEVICE)
+    kmax = torch.tensor([[[2.0, 1.0]], [[0.0, 3.0]]], device=DEVICE)
+    got = query_bound_scores(q, kmin, kmax, scale=1.0).cpu()
+    e3 = torch.tensor(3.0).exp()
+    assert torch.allclose(got, torch.stack([e3 / (e3 + 1), 1 / (e3 + 1)]).unsqueeze(0))
+    # With length 1 (block size 64) only block 0 is eligible: it takes the head's whole mass.
+    got = query_bound_scores(q, kmin, kmax, lengths=torch.tensor([1], device=DEVICE), scale=1.0).cpu()
+    assert got.tolist() == [[1.0, 0.0]]
+    # The bound holds: no key inside the box beats u (block 0: the corner (2, -1) reaches 3).
+    corners = torch.tensor([[0.0, -1.0], [0.0, 1.0], [2.0, -1.0], [2.0, 1.0]])
+    assert float((corners @ torch.tensor([1.0, -1.0])).max()) == 3.0
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    R=st.integers(1, 4),
+    N=st.integers(1, 6),
+    groups=st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]),
+    per_row=st.booleans(),
+    with_lengths=st.booleans(),
+    signal=st.sampled_from(["query_bound", "query_mass"]),
+    seed=st.integers(0, 2**16),
+)
+def test_query_mass_and_bound_scores_vs_reference(R, N, groups, per_row, with_lengths, signal, seed):
+    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import query_bound_scores, query_mass_scores
+
+    H, Hkv = groups
+    D, bs = 5, 4
+    gen = _gen(seed)
+    q = torch.randn(R, H, D, generator=gen) * 3
+    shape = (R, N, Hkv, D) if per_row else (N, Hkv, D)
+    a, b = torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
+    kmin, kmax = torch.minimum(a, b), torch.maximum(a, b)
+    lengths = torch.randint(1, N * bs + 1, (R,), generator=gen) if with_lengths else None
+    dev_lengths = None if lengths is None else lengths.to(DEVICE)
+    if signal == "query_bound":
+        got = query_bound_scores(q.to(DEVICE), kmin.to(DEVICE), kmax.to(DEVICE), dev_lengths, bs).cpu()
+    else:
+        got = query_mass_scores(q.to(DEVICE), a.to(DEVICE), dev_lengths, bs).cpu()
+    for r in range(R):
+        length = None if lengths is None else int(lengths[r])
+        row = (lambda t: t[r]) if per_row else (lambda t: t)
+        if signal == "query_bound":
+            want = ref.reference_query_bound_scores(q[r], row(kmin), row(kmax), length, bs, D ** -0.5)
+        else:
+            want = ref.reference_query_mass_scores(q[r], row(a), length, bs, D ** -0.5)
+        assert torch.allclose(got[r].to(torch.float64), torch.tensor(want, dtype=torch.float64), atol=1e-5)
+        assert abs(float(got[r].sum()) - H) < 1e-4  # each head contributes mass 1
+        if length is not None:
+            assert not got[r, (length + bs - 1) // bs :].any()  # blocks past the row score 0
+
+
+def test_query_mass_scores_hand_computed():
+    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import query_mass_scores
+
+    # Two heads share one KV head, D=2, scale 1. Centroids: block 0 (1, 0), block 1 (0, 1).
+    # Head 0 q=(2, 0): logits 2, 0 -> e^2/(e^2+1), 1/(e^2+1). Head 1 q=(0, 0): 1/2, 1/2.
+    q = torch.tensor([[[2.0, 0.0], [0.0, 0.0]]], device=DEVICE)
+    c = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]], device=DEVICE)
+    e2 = torch.tensor(2.0).exp()
+    want = torch.stack([e2 / (e2 + 1) + 0.5, 1 / (e2 + 1) + 0.5]).unsqueeze(0)
+    assert torch.allclose(query_mass_scores(q, c, scale=1.0).cpu(), want)
+    # The default scale is D ** -0.5: logits 2/sqrt(2) = sqrt(2).
+    s2 = torch.tensor(2.0).sqrt().exp()
+    want = torch.stack([s2 / (s2 + 1) + 0.5, 1 / (s2 + 1) + 0.5]).unsqueeze(0)
+    assert torch.allclose(query_mass_scores(q, c).cpu(), want)
+    # Length 3 with block size 4: one eligible block takes both heads' mass.
+    assert query_mass_scores(q, c, lengths=torch.tensor([3], device=DEVICE), block_size=4).cpu().tolist() == [[2.0, 0.0]]
+
+
+def test_query_bound_scores_bad_input_names_argument():
+    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import query_bound_scores
+
+    q = torch.randn(2, 4, 8, device=DEVICE)
+    k = torch.zeros(3, 2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="key_max: expected the shape of key_min"):
+        query_bound_scores(q, k, torch.zeros(3, 2, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="key_min: expected \\[..., Hkv, 8\\]"):
+        query_bound_scores(q, torch.zeros(3, 3, 8, device=DEVICE), torch.zeros(3, 3, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="lengths: expected shape \\(2,\\)"):
+        query_bound_scores(q, k, k, lengths=torch.tensor([1], device=DEVICE))
+    with pytest.raises(ValueError, match="scale: expected a positive number"):
+        query_bound_scores(q, k, k, scale=0.0)
+    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import query_mass_scores
+
+    with pytest.raises(ValueError, match="key_centroids: expected 2 rows"):
+        query_mass_scores(q, torch.zeros(3, 3, 2, 8, device=DEVICE))
+    with pytest.raises(TypeError, match="query: expected dtype"):
+        query_mass_scores(q.to(torch.int64), k)

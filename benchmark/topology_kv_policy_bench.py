@@ -34,7 +34,10 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import torch
 
 from benchmark import topology_kv_reference as ref
-from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import query_centroid_scores_unchecked
+from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
+    query_bound_scores_unchecked,
+    query_centroid_scores_unchecked,
+)
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import (
     CoordinateMismatchAction,
     TopologyKVPolicyConfig,
@@ -46,7 +49,7 @@ ENABLED_MODES = [m.value for m in TopologyKVPolicyMode if m is not TopologyKVPol
 COLUMNS = [
     "mode", "rows", "seq_len", "width", "learned_scores", "policy_ms", "policy_p10_ms", "policy_p90_ms",
     "topk_ms", "copy_ms", "reference_ms", "policy_over_topk", "policy_over_copy", "per_row_us",
-    "witness_query_centroid_ms",
+    "witness_query_centroid_ms", "witness_query_bound_ms",
 ]
 # DeepSeek-V3.2's indexer: 64 heads of dim 128 (the query-centroid witness signal uses
 # the indexer's own q and per-block centroids of its keys, one KV head).
@@ -161,7 +164,12 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
         witness_ms = statistics.median(
             time_ms(lambda: query_centroid_scores_unchecked(q_idx, cents), device, args.rounds, args.warmup)
         )
-        del q_idx, cents
+        # query_bound: per-block key min/max (two centroid-sized tables), causal masking, softmax.
+        kmin, kmax = cents - 1.0, cents + 1.0
+        bound_ms = statistics.median(
+            time_ms(lambda: query_bound_scores_unchecked(q_idx, kmin, kmax, lengths, 64), device, args.rounds, args.warmup)
+        )
+        del q_idx, cents, kmin, kmax
         copy_ms = statistics.median(time_ms(lambda: copy_out.copy_(x), device, args.rounds, args.warmup))
         topk_ms = None
         if R * L <= args.max_topk_elements:
@@ -212,6 +220,7 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
                     "policy_over_copy": policy_ms / copy_ms if copy_ms > 0 else None,
                     "per_row_us": policy_ms * 1e3 / R,
                     "witness_query_centroid_ms": witness_ms,
+                    "witness_query_bound_ms": bound_ms,
                 }
                 results.append(row)
         log(f"[policy-bench] cell {ci + 1}/{len(cells)} rows={R} seq_len={L} done", file=sys.stderr)

@@ -29,6 +29,66 @@ def reference_drift_l2(centroids: torch.Tensor) -> List[float]:
     return [0.0] + [float(torch.linalg.vector_norm(flat[b] - flat[b - 1])) for b in range(1, flat.shape[0])]
 
 
+def reference_block_key_bounds(keys: torch.Tensor, block_size: int, length: Optional[int] = None):
+    """Per-block, per-channel (min, max) of ``keys[:length]`` (``[L, H, D]``) in float64; empty blocks 0."""
+    L = keys.shape[0] if length is None else length
+    n_blocks = (keys.shape[0] + block_size - 1) // block_size
+    kmin = torch.zeros(n_blocks, keys.shape[1], keys.shape[2], dtype=torch.float64)
+    kmax = torch.zeros_like(kmin)
+    for b in range(n_blocks):
+        lo, hi = b * block_size, min((b + 1) * block_size, L)
+        for h in range(keys.shape[1]):
+            for d in range(keys.shape[2]):
+                vals = [float(keys[t, h, d]) for t in range(lo, hi)]
+                if vals:
+                    kmin[b, h, d], kmax[b, h, d] = min(vals), max(vals)
+    return kmin, kmax
+
+
+def _reference_block_mass(H: int, group: int, N: int, n_elig: int, logit) -> List[float]:
+    """``sum_h softmax_b(logit(h, g, b))`` over blocks ``b < n_elig``, by loops (others 0)."""
+    import math
+
+    out = [0.0] * N
+    for h in range(H):
+        u = [logit(h, h // group, b) for b in range(n_elig)]
+        top = max(u)
+        z = sum(math.exp(x - top) for x in u)
+        for b in range(n_elig):
+            out[b] += math.exp(u[b] - top) / z
+    return out
+
+
+def _eligible_blocks(N: int, length: Optional[int], block_size: int) -> int:
+    return N if length is None else min(N, (length + block_size - 1) // block_size)
+
+
+def reference_query_bound_scores(query, key_min, key_max, length: Optional[int], block_size: int, scale: float):
+    """One row: ``sum_h softmax_b(scale * sum_d max(q kmin, q kmax))`` over eligible blocks, by loops.
+
+    ``query`` ``[H, D]``, ``key_min``/``key_max`` ``[N, Hkv, D]``; returns a list of N floats.
+    """
+    H, D = query.shape
+    N, Hkv, _ = key_min.shape
+
+    def logit(h, g, b):
+        return scale * sum(max(float(query[h, d]) * float(key_min[b, g, d]),
+                               float(query[h, d]) * float(key_max[b, g, d])) for d in range(D))
+
+    return _reference_block_mass(H, H // Hkv, N, _eligible_blocks(N, length, block_size), logit)
+
+
+def reference_query_mass_scores(query, key_centroids, length: Optional[int], block_size: int, scale: float):
+    """One row: ``sum_h softmax_b(scale * q_h . c[b, g(h)])`` over eligible blocks, by loops."""
+    H, D = query.shape
+    N, Hkv, _ = key_centroids.shape
+
+    def logit(h, g, b):
+        return scale * sum(float(query[h, d]) * float(key_centroids[b, g, d]) for d in range(D))
+
+    return _reference_block_mass(H, H // Hkv, N, _eligible_blocks(N, length, block_size), logit)
+
+
 def reference_prioritized_blocks(
     length: int,
     sink_blocks: int,

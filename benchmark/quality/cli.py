@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token-granular sinks (default: whole --policy-sink-blocks, the seed's setting)")
     g.add_argument("--policy-structural-budget", default="fixed", choices=("fixed", "scaled"))
     g.add_argument("--policy-witness-signal", default="key_drift",
-                   choices=("key_drift", "value_drift", "query_centroid"))
+                   choices=("key_drift", "value_drift", "query_centroid", "query_mass", "query_bound"))
     g.add_argument("--raised-gate", action="store_true",
                    help="also run the indexer failure modes (learned-noisy/-nosink/-stale, and each merge "
                         "mode on top of them) and print the raised gate")

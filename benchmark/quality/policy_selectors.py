@@ -49,7 +49,9 @@ class PolicySettings:
     sink_tokens, structural_budget : the policy's token-granular sinks and budget rule
         (None / "fixed": the seed's whole sink blocks and fixed fraction)
     witness_signal : what ranks witness blocks (``WitnessSignal``): ``key_drift`` (seed),
-        ``value_drift`` or ``query_centroid`` (each row's query against block key centroids)
+        ``value_drift``, ``query_centroid`` (each row's query against block key centroids)
+        ``query_mass`` (the same, softmax-normalized per head: estimated attention mass) or
+        ``query_bound`` (as ``query_mass`` with a per-block upper bound from key min/max)
     """
 
     sink_blocks: int = 1
@@ -102,8 +104,14 @@ def layer_witness_scores(layer: LayerInputs, block_size: int, signal: str) -> Tu
         cents = schedule.block_key_centroids(values, block_size=block_size)
         return schedule.block_drift_scores(cents).unsqueeze(0), True
     keys = layer.key.transpose(0, 1)  # [L, Hkv, D]
-    cents = schedule.block_key_centroids(keys, block_size=block_size)  # [N, Hkv, D]
     query = layer.query.transpose(0, 1)  # [H, T, D] -> [T, H, D]
+    if signal is schedule.WitnessSignal.QUERY_BOUND:
+        kmin, kmax = schedule.block_key_bounds(keys, block_size=block_size)  # [N, Hkv, D] each
+        scores = schedule.query_bound_scores(query, kmin, kmax, layer.lengths, block_size, scale=layer.scaling)
+        return scores, False  # [T, N]
+    cents = schedule.block_key_centroids(keys, block_size=block_size)  # [N, Hkv, D]
+    if signal is schedule.WitnessSignal.QUERY_MASS:
+        return schedule.query_mass_scores(query, cents, layer.lengths, block_size, scale=layer.scaling), False
     return schedule.query_centroid_scores(query, cents), False  # [T, N]
 
 
