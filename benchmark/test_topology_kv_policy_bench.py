@@ -28,6 +28,7 @@ def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
     assert payload["environment"]["torch"] == torch.__version__
     for row in payload["rows"]:
         assert row["policy_ms"] > 0 and row["copy_ms"] > 0 and row["topk_ms"] > 0
+        assert min(row[f"witness_{s}_ms"] for s in ("query_centroid", "query_mass", "query_bound")) > 0
         assert row["policy_over_topk"] == pytest.approx(row["policy_ms"] / row["topk_ms"])
 
 
@@ -42,7 +43,8 @@ def test_synthetic_rows_are_valid_engine_rows():
 
 
 @pytest.mark.parametrize("argv, flag", [(["--rows", "0"], "--rows"), (["--width", "-1"], "--width"),
-                                        (["--modes", "bogus"], "--modes")])
+                                        (["--modes", "bogus"], "--modes"),
+                                        (["--witness-block-size", "0"], "--witness-block-size")])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)

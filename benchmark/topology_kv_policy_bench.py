@@ -37,6 +37,7 @@ from benchmark import topology_kv_reference as ref
 from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
     query_bound_scores_unchecked,
     query_centroid_scores_unchecked,
+    query_mass_scores_unchecked,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import (
     CoordinateMismatchAction,
@@ -49,7 +50,7 @@ ENABLED_MODES = [m.value for m in TopologyKVPolicyMode if m is not TopologyKVPol
 COLUMNS = [
     "mode", "rows", "seq_len", "width", "learned_scores", "policy_ms", "policy_p10_ms", "policy_p90_ms",
     "topk_ms", "copy_ms", "reference_ms", "policy_over_topk", "policy_over_copy", "per_row_us",
-    "witness_query_centroid_ms", "witness_query_bound_ms",
+    "witness_query_centroid_ms", "witness_query_mass_ms", "witness_query_bound_ms",
 ]
 # DeepSeek-V3.2's indexer: 64 heads of dim 128 (the query-centroid witness signal uses
 # the indexer's own q and per-block centroids of its keys, one KV head).
@@ -61,6 +62,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, nargs="+", default=[256, 1024, 4096], help="rows R per call")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768, 131072], help="context L")
     p.add_argument("--width", type=int, default=2048, help="top-k width W")
+    p.add_argument("--witness-block-size", type=int, default=64,
+                   help="block size of the query-aware witness signals' cost columns (N = L / this)")
     p.add_argument("--modes", nargs="+", default=ENABLED_MODES, help=f"subset of {ENABLED_MODES}")
     p.add_argument("--learned-scores", choices=["with", "without", "both"], default="both")
     p.add_argument("--rounds", type=int, default=7)
@@ -80,6 +83,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error(f"--{name}: expected positive integers, got {bad}")
     if args.width <= 0:
         p.error(f"--width: expected > 0, got {args.width}")
+    if args.witness_block_size <= 0:
+        p.error(f"--witness-block-size: expected > 0, got {args.witness_block_size}")
     unknown = [m for m in args.modes if m.lower() not in ENABLED_MODES]
     if unknown:
         p.error(f"--modes: expected a subset of {ENABLED_MODES}, got {unknown}")
@@ -160,14 +165,18 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
         # Hidden cost of the query-aware witness signal: scores of every block for every
         # row (key drift costs nothing per call: the tracker keeps it up to date).
         q_idx = torch.randn(R, INDEXER_HEADS, INDEXER_DIM, generator=gen).to(device)
-        cents = torch.randn((L + 63) // 64, 1, INDEXER_DIM, generator=gen).to(device)
+        wbs = args.witness_block_size
+        cents = torch.randn((L + wbs - 1) // wbs, 1, INDEXER_DIM, generator=gen).to(device)
         witness_ms = statistics.median(
             time_ms(lambda: query_centroid_scores_unchecked(q_idx, cents), device, args.rounds, args.warmup)
+        )
+        mass_ms = statistics.median(
+            time_ms(lambda: query_mass_scores_unchecked(q_idx, cents, lengths, wbs), device, args.rounds, args.warmup)
         )
         # query_bound: per-block key min/max (two centroid-sized tables), causal masking, softmax.
         kmin, kmax = cents - 1.0, cents + 1.0
         bound_ms = statistics.median(
-            time_ms(lambda: query_bound_scores_unchecked(q_idx, kmin, kmax, lengths, 64), device, args.rounds, args.warmup)
+            time_ms(lambda: query_bound_scores_unchecked(q_idx, kmin, kmax, lengths, wbs), device, args.rounds, args.warmup)
         )
         del q_idx, cents, kmin, kmax
         copy_ms = statistics.median(time_ms(lambda: copy_out.copy_(x), device, args.rounds, args.warmup))
@@ -220,6 +229,7 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
                     "policy_over_copy": policy_ms / copy_ms if copy_ms > 0 else None,
                     "per_row_us": policy_ms * 1e3 / R,
                     "witness_query_centroid_ms": witness_ms,
+                    "witness_query_mass_ms": mass_ms,
                     "witness_query_bound_ms": bound_ms,
                 }
                 results.append(row)
