@@ -449,8 +449,9 @@ def test_mismatch_rows_match_reference():
 # ---------------------------------------------------------------- compile and counters
 
 
+@pytest.mark.parametrize("sink_tokens, scaled", [(None, False), (6, True)])
 @pytest.mark.parametrize("mode", ENABLED_MODES)
-def test_core_compiles_fullgraph_without_graph_breaks(mode):
+def test_core_compiles_fullgraph_without_graph_breaks(mode, sink_tokens, scaled):
     gen = torch.Generator().manual_seed(0)
     W, R = 16, 3
     L = _t([5, 40, 100])
@@ -461,7 +462,7 @@ def test_core_compiles_fullgraph_without_graph_breaks(mode):
     scaffold = _t([8, 8, 8])
     fn = functools.partial(
         topology_kv_policy_core, mode=mode, sink_blocks=1, local_blocks=2, witness_blocks=2, block_size=4,
-        structural_cap=8,
+        structural_cap=8, sink_tokens=sink_tokens, scale_budget_by_length=scaled,
     )
     args = (x, L, torch.zeros_like(L), drift, scores, scaffold)
     explain = torch._dynamo.explain(fn)(*args)
@@ -471,6 +472,32 @@ def test_core_compiles_fullgraph_without_graph_breaks(mode):
     out_c, _ = compiled(*args)
     out_e, _ = fn(*args)
     assert torch.equal(out_c, out_e)
+
+
+def test_query_aware_witness_signals_compile_fullgraph():
+    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
+        block_key_bounds_unchecked,
+        block_key_centroids_unchecked,
+        query_bound_scores_unchecked,
+        query_mass_scores_unchecked,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 37, 2, 8, generator=gen).to(DEVICE)
+    q = torch.randn(2, 4, 8, generator=gen).to(DEVICE)
+    lengths = _t([37, 20])
+
+    def fn(keys, q, lengths):
+        kmin, kmax = block_key_bounds_unchecked(keys, 8, lengths)
+        cents = block_key_centroids_unchecked(keys, 8, lengths)
+        return query_mass_scores_unchecked(q, cents, lengths, 8), query_bound_scores_unchecked(q, kmin, kmax, lengths, 8)
+
+    explain = torch._dynamo.explain(fn)(keys, q, lengths)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, backend="eager")(keys, q, lengths)
+    want = fn(keys, q, lengths)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_counter_names_cover_the_contract():
