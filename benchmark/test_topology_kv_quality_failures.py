@@ -147,6 +147,18 @@ def test_raised_gate_hand_computed():
     assert checks["witness signal"].passed is True  # 2 of 3 layers
 
 
+def test_raised_gate_witness_ties_are_not_wins():
+    import math
+
+    b = Fraction(1, 16)
+    dense = DenseResult(context=100, nll_sum=math.log(10.0) * 10, tokens=10)
+    same = [0.5, 0.6, 0.7]
+    noise = [v + 1e-7 for v in same]  # the same selection summed in another order
+    cells = [_cell("topology_only", b, 13.0, recall=noise), _cell("locality", b, 13.0, recall=same)]
+    checks = {c.name.split(":")[0]: c for c in evaluate_raised_gate(GridResult({100: dense}, cells, {}))}
+    assert checks["witness signal"].passed is False and "0/3 layers" in checks["witness signal"].detail
+
+
 def test_raised_gate_selectors_add_what_it_needs():
     names = raised_gate_selectors(["oracle"])
     assert names[0] == "oracle" and "learned-noisy+topology_sparse_merge" in names and "locality" in names

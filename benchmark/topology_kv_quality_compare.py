@@ -1,0 +1,73 @@
+"""Compare topology_kv_quality runs of the same grid: before/after tables, JSON and a plot.
+
+    python benchmark/topology_kv_quality_compare.py --run before=DIR_A/results.json \
+        --run after=DIR_B/results.json --out-dir report/compare
+
+Prints a markdown table (per context, budget and selector: perplexity in each run, against
+``learned``, ``locality`` and ``oracle`` of the same run, mean recall, layers where the
+recall beats ``locality``), writes it to ``compare.md``, every figure to ``compare.json``
+and per-layer recall to ``layer_recall.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmark.quality.compare import compare_rows, load_runs, markdown_table, plot_layer_recall
+from benchmark.quality.errors import UsageError
+
+PLOT_SELECTORS = ("learned", "locality", "topology_only")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", action="append", default=[], metavar="NAME=PATH",
+                   help="a run: its name and results.json (repeat; the last is drawn solid)")
+    p.add_argument("--selectors", default=None, help="comma list to show (default: every selector, grid order)")
+    p.add_argument("--out-dir", default="report/topology_kv_quality_compare")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    runs = []
+    for item in args.run:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            p.error(f"--run: expected NAME=PATH, got {item!r}")
+        runs.append((name, path))
+    args.runs = runs
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        runs = load_runs(args.runs)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    selectors = args.selectors.split(",") if args.selectors else None
+    rows = compare_rows(runs, selectors)
+    table = markdown_table(rows)
+    print(table)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.md").write_text(table + "\n")
+    (out / "compare.json").write_text(json.dumps({"runs": [n for n, _ in runs], "rows": rows}, indent=1))
+    written = [out / "compare.md", out / "compare.json"]
+    if not args.no_plots:
+        png = plot_layer_recall(runs, PLOT_SELECTORS, out / "layer_recall.png")
+        if png is not None:
+            written.append(png)
+    print("outputs: " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
