@@ -27,6 +27,7 @@ from rtp_llm.models_py.modules.hybrid.indexer import (
     ENV_PATHS,
     ENV_POLICY,
     ENV_SINK_BLOCKS,
+    ENV_SINK_TOKENS,
     ENV_WITNESS_BLOCKS,
     BlockDriftTracker,
     Indexer,
@@ -80,6 +81,7 @@ def _settings(mode=MERGE, paths=ALL_PATHS, **kw):
         block_size=PAGE,
         max_structural_fraction=0.25,
         coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED,
+        sink_tokens=None,  # whole sink blocks: the layout these cases were written for
     )
     base.update(kw)
     return IndexerTopologySettings(policy=TopologyKVPolicyConfig(policy=mode, **base), paths=frozenset(paths))
@@ -283,8 +285,13 @@ def test_env_bad_value_names_variable_and_value(name, value):
 
 def test_env_inconsistent_block_counts_name_the_variables():
     env = {ENV_POLICY: "topology_sparse_merge", ENV_SINK_BLOCKS: "0", ENV_LOCAL_BLOCKS: "0", ENV_WITNESS_BLOCKS: "0"}
-    with pytest.raises(ValueError, match=f"{ENV_SINK_BLOCKS}=0.*{ENV_LOCAL_BLOCKS}=0.*{ENV_WITNESS_BLOCKS}=0"):
-        IndexerTopologySettings.from_env(env)
+    # The default sinks are 4 tokens, so zero blocks of every kind still inject something...
+    assert IndexerTopologySettings.from_env(env).policy.sink_tokens == 4
+    # ...but with no sink tokens either the policy would inject nothing.
+    for tokens in ("0", "blocks"):
+        with pytest.raises(ValueError, match=f"{ENV_SINK_BLOCKS}=0, {ENV_SINK_TOKENS}={tokens}, "
+                                             f"{ENV_LOCAL_BLOCKS}=0, {ENV_WITNESS_BLOCKS}=0"):
+            IndexerTopologySettings.from_env({**env, ENV_SINK_TOKENS: tokens})
 
 
 def test_indexer_reads_environment_once_at_construction():

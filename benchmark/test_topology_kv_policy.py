@@ -44,7 +44,10 @@ def _t(values, dtype=torch.int64):
 
 
 def _cfg(mode, **kw):
-    base = dict(sink_blocks=1, local_blocks=1, witness_blocks=1, block_size=4, max_structural_fraction=0.5)
+    # Whole sink blocks (sink_tokens=None): the hand-computed cases below were written for
+    # the block layout; token sinks (the default since issue 7) are tested with explicit values.
+    base = dict(sink_blocks=1, local_blocks=1, witness_blocks=1, block_size=4, max_structural_fraction=0.5,
+                sink_tokens=None)
     base.update(kw)
     return TopologyKVPolicyConfig(policy=mode, **base)
 
@@ -253,6 +256,18 @@ def test_mode_parsing_case_insensitive(name):
     assert TopologyKVPolicyConfig(policy=name).policy is ONLY
 
 
+def test_default_sinks_are_four_tokens():
+    cfg = TopologyKVPolicyConfig(policy="topology_sparse_merge")
+    assert cfg.sink_tokens == 4 and cfg.sink_blocks == 1  # sink_blocks only counts with sink_tokens=None
+    # The seed's block sinks stay reachable: rows of length 100, W 8, block 4 -> sinks 0..3.
+    x = _t([[50, 60, 70, 80, -1, -1, -1, -1]])
+    seed = apply_topology_kv_policy(x, _t([100]), config=_cfg(MERGE)).indices.cpu().tolist()[0]
+    now = apply_topology_kv_policy(x, _t([100]), config=_cfg(MERGE, sink_tokens=4)).indices.cpu().tolist()[0]
+    assert {0, 1, 2, 3} <= set(seed) and {0, 1, 2, 3} <= set(now)
+    two = apply_topology_kv_policy(x, _t([100]), config=_cfg(MERGE, sink_tokens=2)).indices.cpu().tolist()[0]
+    assert {0, 1} <= set(two) and not {2, 3} & set(two)
+
+
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
@@ -267,7 +282,12 @@ def test_mode_parsing_case_insensitive(name):
         (dict(max_structural_fraction="0.5"), TypeError, "max_structural_fraction"),
         (dict(coordinate_mismatch_action="ignore"), ValueError, "coordinate_mismatch_action"),
         (
-            dict(policy="topology_sparse_merge", sink_blocks=0, local_blocks=0, witness_blocks=0),
+            dict(policy="topology_sparse_merge", sink_blocks=0, local_blocks=0, witness_blocks=0, sink_tokens=None),
+            ValueError,
+            "sink_blocks \\(or sink_tokens\\) \\+ local_blocks",
+        ),
+        (
+            dict(policy="topology_sparse_merge", sink_blocks=3, local_blocks=0, witness_blocks=0, sink_tokens=0),
             ValueError,
             "sink_blocks \\(or sink_tokens\\) \\+ local_blocks",
         ),

@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--policy-witness-blocks", type=int, default=2)
     g.add_argument("--policy-block-size", type=int, default=64)
     g.add_argument("--policy-max-structural-fraction", type=float, default=0.25)
-    g.add_argument("--policy-sink-tokens", type=int, default=None,
-                   help="token-granular sinks (default: whole --policy-sink-blocks, the seed's setting)")
+    g.add_argument("--policy-sink-tokens", default="4",
+                   help="token-granular sinks: the first N tokens (default 4, the engine's default), or "
+                        "'blocks' for whole --policy-sink-blocks (the seed's setting)")
     g.add_argument("--policy-structural-budget", default="fixed", choices=("fixed", "scaled"))
     g.add_argument("--policy-witness-signal", default="key_drift",
                    choices=("key_drift", "value_drift", "query_centroid", "query_mass", "query_bound"))
@@ -161,7 +162,7 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         block_size=args.policy_block_size,
         max_structural_fraction=args.policy_max_structural_fraction,
         scaffold_tokens=args.scaffold_tokens,
-        sink_tokens=args.policy_sink_tokens,
+        sink_tokens=parse_sink_tokens(args.policy_sink_tokens),
         structural_budget=args.policy_structural_budget,
         witness_signal=args.policy_witness_signal,
     )

@@ -46,8 +46,8 @@ class PolicySettings:
         of each window stand in for a stable scaffold (a shared system prompt), whose
         structural blocks the mode represents by one token each. 0: no scaffold, and the
         mode then selects exactly what ``topology_sparse_merge`` does.
-    sink_tokens, structural_budget : the policy's token-granular sinks and budget rule
-        (None / "fixed": the seed's whole sink blocks and fixed fraction)
+    sink_tokens, structural_budget : the policy's token-granular sinks (default 4, as the
+        engine; None: the seed's whole sink blocks) and budget rule ("fixed": the seed's)
     mode_overrides : ``((mode, ((field, value), ...)), ...)``: settings that differ for one
         mode (e.g. ``topology_only`` with smaller blocks), applied by :meth:`for_mode`
     witness_signal : what ranks witness blocks (``WitnessSignal``): ``key_drift`` (seed),
@@ -62,7 +62,7 @@ class PolicySettings:
     block_size: int = 64
     max_structural_fraction: float = 0.25
     scaffold_tokens: int = 0
-    sink_tokens: Optional[int] = None
+    sink_tokens: Optional[int] = 4
     structural_budget: str = "fixed"
     witness_signal: str = "key_drift"
     mode_overrides: Tuple[Tuple[str, Tuple[Tuple[str, object], ...]], ...] = ()

@@ -239,7 +239,8 @@ class IndexerTopologySettings:
             )
         except ValueError as err:
             raise ValueError(
-                f"{ENV_POLICY}={mode.value!r} with {ENV_SINK_BLOCKS}={sink}, {ENV_LOCAL_BLOCKS}={local}, "
+                f"{ENV_POLICY}={mode.value!r} with {ENV_SINK_BLOCKS}={sink}, {ENV_SINK_TOKENS}="
+                f"{'blocks' if sink_tokens is None else sink_tokens}, {ENV_LOCAL_BLOCKS}={local}, "
                 f"{ENV_WITNESS_BLOCKS}={witness}: {err}"
             ) from None
         return cls(policy=policy, paths=paths)

@@ -104,7 +104,10 @@ class TopologyKVPolicyConfig:
     sink_tokens : int >= 0 or None
         Token-granular sinks: the first ``sink_tokens`` tokens replace the ``sink_blocks``
         whole blocks, and the blocks they touch are never local or witness blocks. None
-        keeps whole sink blocks (the seed's setting).
+        keeps whole sink blocks (the seed's setting). Default 4: in the quality runs
+        (docs/topology_vs_learned_runs.md) 4 token sinks made every merge mode better than
+        one 64-token sink block at every budget, and kept ``topology_only`` from spending
+        a tight budget on one block (perplexity 464 -> 32.6 at W = 64, ctx 1024).
     structural_budget : StructuralBudget or its name
         ``fixed`` (seed): ``floor(W * max_structural_fraction)`` per row; ``scaled``: that
         cap times ``W / max(length, W)``, rounded down.
@@ -117,7 +120,7 @@ class TopologyKVPolicyConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_structural_fraction: float = 0.25
     coordinate_mismatch_action: CoordinateMismatchAction = CoordinateMismatchAction.RAISE
-    sink_tokens: Optional[int] = None
+    sink_tokens: Optional[int] = 4
     structural_budget: StructuralBudget = StructuralBudget.FIXED
 
     def __post_init__(self) -> None:
