@@ -38,8 +38,8 @@ FRACTION``
 ``RTP_LLM_TOPOLOGY_KV_MISMATCH_ACTION``     raise, fallback_disabled     fallback_disabled
 ``RTP_LLM_TOPOLOGY_KV_PATHS``               comma list of decode,        all
                                             prefill, cp; or all
-``RTP_LLM_TOPOLOGY_KV_SINK_TOKENS``         integer >= 0, or "blocks"    the policy config's
-                                            (whole sink blocks)          ``sink_tokens``
+``RTP_LLM_TOPOLOGY_KV_SINK_TOKENS``         integer >= 0, or "blocks"    4 (the policy config's
+                                            (whole sink blocks)          ``sink_tokens``)
 ``RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET``   fixed, scaled                the policy config's
 =========================================== ============================ ==================
 
