@@ -69,6 +69,8 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert cli.main(["--run", f"before={a}", "--run", f"after={b}", "--out-dir", str(out)]) == 0
     printed = capsys.readouterr().out
     assert printed.count("| topology_only |") == 2
+    topo = [line for line in printed.splitlines() if "| topology_only |" in line]
+    assert "| before |" in topo[0] and "| after |" in topo[1]  # runs in the order given
     payload = json.loads((out / "compare.json").read_text())
     assert payload["runs"] == ["before", "after"] and len(payload["rows"]) == 6
     assert (out / "layer_recall.png").stat().st_size > 0

@@ -80,7 +80,9 @@ def compare_rows(runs: Sequence[Tuple[str, Dict]], selectors: Optional[Sequence[
             loc = idx.get((ctx, budget, "locality"))
             row["recall_wins_vs_locality"] = None if loc is None or sel == "locality" else recall_wins(cell, loc)
             rows.append(row)
-    rows.sort(key=lambda r: (r["context"], _frac(r["budget"]), _order(r["selector"], selectors or []), r["run"]))
+    run_order = {name: i for i, (name, _) in enumerate(runs)}
+    rows.sort(key=lambda r: (r["context"], _frac(r["budget"]), _order(r["selector"], selectors or []),
+                             run_order[r["run"]]))
     return rows
 
 
