@@ -76,3 +76,17 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert (out / "layer_recall.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         cli.parse_args(["--run", "no-equals-sign"])
+
+
+def test_raised_gate_side_by_side(tmp_path):
+    from benchmark.quality.compare import raised_gate_table
+
+    a = _results({"learned": 20.0}, {})
+    b = _results({"learned": 20.0}, {})
+    a["raised_gate"] = [{"name": "witness signal (ctx 100)", "passed": False, "detail": "1/4: 0/3 layers"}]
+    b["raised_gate"] = [{"name": "witness signal (ctx 100)", "passed": True, "detail": "1/4: 3/3 layers"},
+                        {"name": "failure 'noisy' (ctx 100)", "passed": None, "detail": "not measured"}]
+    table = raised_gate_table([("before", a), ("after", b)])
+    assert "| witness signal (ctx 100) | **FAIL** 1/4: 0/3 layers | **PASS** 1/4: 3/3 layers |" in table
+    assert "| failure 'noisy' (ctx 100) | - | **n/a** not measured |" in table
+    assert raised_gate_table([("x", _results({"learned": 20.0}, {}))]) == ""

@@ -5,8 +5,9 @@
 
 Prints a markdown table (per context, budget and selector: perplexity in each run, against
 ``learned``, ``locality`` and ``oracle`` of the same run, mean recall, layers where the
-recall beats ``locality``), writes it to ``compare.md``, every figure to ``compare.json``
-and per-layer recall to ``layer_recall.png``.
+recall beats ``locality``) and, for runs made with ``--raised-gate``, the raised gate's
+checks side by side; writes them to ``compare.md``, every figure to ``compare.json`` and
+per-layer recall to ``layer_recall.png``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import List, Optional
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmark.quality.compare import compare_rows, load_runs, markdown_table, plot_layer_recall
+from benchmark.quality.compare import compare_rows, load_runs, markdown_table, plot_layer_recall, raised_gate_table
 from benchmark.quality.errors import UsageError
 
 PLOT_SELECTORS = ("learned", "locality", "topology_only")
@@ -55,11 +56,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     selectors = args.selectors.split(",") if args.selectors else None
     rows = compare_rows(runs, selectors)
     table = markdown_table(rows)
+    raised = raised_gate_table(runs)
+    if raised:
+        table += "\n\nRaised gate:\n\n" + raised
     print(table)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.md").write_text(table + "\n")
-    (out / "compare.json").write_text(json.dumps({"runs": [n for n, _ in runs], "rows": rows}, indent=1))
+    raised_json = {n: d.get("raised_gate") for n, d in runs}
+    (out / "compare.json").write_text(json.dumps({"runs": [n for n, _ in runs], "rows": rows,
+                                                  "raised_gate": raised_json}, indent=1))
     written = [out / "compare.md", out / "compare.json"]
     if not args.no_plots:
         png = plot_layer_recall(runs, PLOT_SELECTORS, out / "layer_recall.png")

@@ -113,6 +113,27 @@ def markdown_table(rows: Sequence[Dict]) -> str:
     return "\n".join(out)
 
 
+def raised_gate_table(runs: Sequence[Tuple[str, Dict]]) -> str:
+    """The raised gate of every run that has one, a row per check: ``| check | run: verdict (numbers) |``."""
+    have = [(name, data["raised_gate"]) for name, data in runs if data.get("raised_gate")]
+    if not have:
+        return ""
+    mark = {True: "PASS", False: "FAIL", None: "n/a"}
+    names = []
+    for _, checks in have:
+        for c in checks:
+            if c["name"] not in names:
+                names.append(c["name"])
+    out = ["| check | " + " | ".join(name for name, _ in have) + " |", "|---|" + "---|" * len(have)]
+    for check in names:
+        cells = []
+        for _, checks in have:
+            c = next((c for c in checks if c["name"] == check), None)
+            cells.append("-" if c is None else f"**{mark[c['passed']]}** {c['detail']}")
+        out.append(f"| {check} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def plot_layer_recall(runs: Sequence[Tuple[str, Dict]], selectors: Sequence[str], path: Path) -> Optional[Path]:
     """Per-layer mean recall, one panel per (context, budget), a line per (run, selector)."""
     try:
