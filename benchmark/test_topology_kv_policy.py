@@ -130,6 +130,31 @@ def test_token_sinks_hand_computed():
     assert res.indices.tolist() == [[5, 0, 1, 4, 2, -1, -1, -1]]  # cap 4 stops before 3
 
 
+def test_present_local_tokens_never_keep_out_missing_sinks():
+    # W=8, block 4, sinks = tokens 0, 1, 3 local blocks; length 14: local = blocks 1..3 =
+    # tokens 4..13 (10 tokens). The learned row holds 6..13, all local: with "every present
+    # structural token is free" there would be no room left and the sinks would never get
+    # in (the indexer's sink-dropping failure, uncorrected). The target is the priority
+    # prefix 0, 1, 13, 12, ..., 8 (8 tokens, 2 missing <= cap 4): 6 and 7 fall outside it,
+    # become plain learned entries and make room for the sinks.
+    cfg = _cfg(MERGE, sink_tokens=2, local_blocks=3, witness_blocks=0, max_structural_fraction=0.5)
+    x = _t([[6, 7, 8, 9, 10, 11, 12, 13]])
+    res = apply_topology_kv_policy(x, _t([14]), config=cfg)
+    assert res.indices.cpu().tolist() == [[0, 1, 8, 9, 10, 11, 12, 13]]
+    counters = res.counters.to_dict()
+    assert counters["structural_injected_tokens"] == 2 and counters["learned_evicted_tokens"] == 2
+    # With scores: 8 scores lowest of all (0.0) but is in the target, so it stays; the
+    # two evicted entries are the only non-target ones, 6 and 7.
+    scores = torch.tensor([[0.9, 0.1, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5]], device=DEVICE)
+    res = apply_topology_kv_policy(x, _t([14]), config=cfg, learned_scores=scores)
+    assert sorted(res.indices.cpu().tolist()[0]) == [0, 1, 8, 9, 10, 11, 12, 13]
+    want, _, _ = ref.reference_topology_policy(
+        x.cpu(), _t([14]).cpu(), mode=MERGE.value, sink_blocks=1, local_blocks=3, witness_blocks=0, block_size=4,
+        max_structural_fraction=0.5, sink_tokens=2, learned_scores=scores.cpu(),
+    )
+    assert torch.equal(res.indices.cpu(), want)
+
+
 def test_scaled_budget_hand_computed():
     # W=8, fixed cap 4; scaled at length 16: 4 * 8 // 16 = 2 injected tokens.
     cfg = _cfg(MERGE, structural_budget="scaled")

@@ -236,11 +236,17 @@ def reference_topology_policy(
                 out[r, : len(chosen)] = torch.tensor([t + off for t in chosen], dtype=out.dtype)
             n_selected = len(chosen)
         else:
-            struct_set = set(slots)
-            n_present = sum(1 for _, t in learned if t in struct_set)
-            new = [s for s in slots if s not in learned_set]
             row_cap = cap * W // max(length, W) if scaled_budget else cap
-            n_inj = min(len(new), row_cap, W - n_present)
+            target, n_new = [], 0  # the priority prefix: <= W tokens, <= row_cap of them missing
+            for s in slots:
+                missing = s not in learned_set
+                if len(target) == W or (missing and n_new == row_cap):
+                    break
+                target.append(s)
+                n_new += missing
+            struct_set = set(target)
+            new = [s for s in target if s not in learned_set]
+            n_inj = len(new)
             n_evict = max(0, len(learned) + n_inj - W)
             candidates = [(j, t) for j, t in learned if t not in struct_set]
             if learned_scores is None:

@@ -476,10 +476,13 @@ def topology_kv_policy_core(
       block) from the most recent backwards; witness blocks by descending score (ties:
       lower block), tokens ascending; only tokens ``< length``. Compress mode keeps only
       the first token of a scheduled block lying wholly inside ``[0, min(scaffold, length))``.
-    * Merge modes: structural tokens the row already holds are *present* (free, never
-      evicted). Missing ones are injected in priority order, at most
-      ``min(cap, W - present)`` with ``cap = structural_cap`` (times ``W / max(length, W)``,
-      rounded down, when ``scale_budget_by_length``). When the row overflows by ``n``, the ``n``
+    * Merge modes: the row's structural *target* is the longest prefix of the structural
+      tokens in priority order that holds at most ``W`` tokens, at most ``cap`` of them
+      missing from the row (``cap = structural_cap``, times ``W / max(length, W)``,
+      rounded down, when ``scale_budget_by_length``). Target tokens the row already holds
+      are free and never evicted; the missing ones are injected. Structural tokens past
+      the target are plain learned entries (so a present local token never keeps out a
+      higher-priority sink token). When the row overflows by ``n``, the ``n``
       evicted entries are the non-structural entries with the lowest ``learned_scores``
       (ties: later entry first), or without scores the row's last ``n`` such entries.
       Injected tokens take the evicted positions (in row order without scores, in
@@ -617,29 +620,36 @@ def topology_kv_policy_core(
         n_selected = take.sum(dim=1)
     else:
         present_p = present.index_select(1, perm)
-        n_present = present.sum(dim=1)  # [R]
         new_p = valid_p & ~present_p  # [R, S] missing structural tokens, priority order
         cap = structural_cap
         if scale_budget_by_length:  # the cap shrinks as the row outgrows the width W
-            cap = torch.div(structural_cap * W, torch.clamp(lengths64, min=W), rounding_mode="floor")
-        room = torch.minimum(W - n_present, cap) if scale_budget_by_length else torch.clamp(W - n_present, max=cap)
-        n_inject = torch.minimum(new_p.sum(dim=1), room)
-        n_inject = torch.where(ok, n_inject, 0)  # a broken row is left exactly as it came
+            cap = torch.div(structural_cap * W, torch.clamp(lengths64, min=W), rounding_mode="floor").unsqueeze(1)
+        # The structural target: the longest priority-order prefix with at most W tokens of
+        # which at most cap are missing from the row (both counts grow along the priority
+        # order, so each condition holds on a prefix). Structural tokens past it are plain
+        # learned entries: a present local token must not keep out a missing sink token.
         new_rank = _rank_within(new_p)
-        inject_p = new_p & (new_rank <= n_inject.unsqueeze(1))
+        take_p = valid_p & (_rank_within(valid_p) <= W) & (new_rank <= cap)
+        take_p = take_p & ok.unsqueeze(1)  # a broken row is left exactly as it came
+        inject_p = take_p & new_p
+        n_inject = inject_p.sum(dim=1)
+        # Which layout slots are protected: the taken ones, back in layout order (+ slot S: none).
+        inv_perm = torch.argsort(perm)
+        taken = torch.cat([take_p.index_select(1, inv_perm), torch.zeros_like(take_p[:, :1])], dim=1)
         inj = torch.full((R, S + 1), -1, dtype=idt, device=device)  # injected tokens, in order
         inj.scatter_(1, torch.where(inject_p, new_rank.to(torch.int64) - 1, S), tok_p.to(idt))
         inj = inj[:, :S] if off is None else torch.where(inj[:, :S] >= 0, inj[:, :S] + off, -1)
         n_evict = torch.clamp(n_learned + n_inject - W, min=0)  # [R]
-        is_struct = slot < S  # [R, W]
+        is_struct = torch.gather(taken, 1, slot.to(torch.int64))  # [R, W] protected structural entries
         # The copy writes padding as -1, except in broken rows (returned as they came).
         floor = torch.where(mismatch, torch.iinfo(idt).min, -1).to(idt).unsqueeze(1)  # [R, 1]
         out = torch.maximum(x, floor)  # [R, W]
         k = min(W, S)
         if learned_scores is None:
             # Evict the last n_evict non-structural entries. They all lie in the last
-            # k = min(W, S) columns: that window holds at most n_present structural and
-            # p padding entries, and n_evict <= n_inject - p <= S - n_present - p.
+            # k = min(W, S) columns: that window holds at most n_taken_present protected and
+            # p padding entries, and n_evict <= n_inject - p <= S - n_taken_present - p
+            # (the taken prefix holds n_taken_present + n_inject <= S tokens).
             lo = W - k
             cand = valid[:, lo:] & ~is_struct[:, lo:]  # [R, k] (broken rows evict nothing)
             crank = _rank_within(cand)
