@@ -135,7 +135,8 @@ def raised_gate_table(runs: Sequence[Tuple[str, Dict]]) -> str:
 
 
 def plot_layer_recall(runs: Sequence[Tuple[str, Dict]], selectors: Sequence[str], path: Path) -> Optional[Path]:
-    """Per-layer mean recall, one panel per (context, budget), a line per (run, selector)."""
+    """Per-layer mean recall: a row of panels per context, a column per budget; colour = selector,
+    line style = run (dashed for the first run, solid for the second, ...)."""
     try:
         import matplotlib
 
@@ -143,23 +144,28 @@ def plot_layer_recall(runs: Sequence[Tuple[str, Dict]], selectors: Sequence[str]
         import matplotlib.pyplot as plt
     except ImportError:  # plots are optional; the table and JSON carry every number
         return None
-    keys = sorted({(int(c["context"]), c["budget"]) for _, d in runs for c in d["cells"]},
-                  key=lambda k: (k[0], _frac(k[1])))
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
-    for ax, (ctx, budget) in zip(axes[0], keys):
-        for name, data in runs:
-            idx = _index(data)
-            for sel in selectors:
-                cell = idx.get((ctx, budget, sel))
-                if cell is None or not cell.get("per_layer"):
-                    continue
-                layers = sorted(cell["per_layer"], key=int)
-                ax.plot([int(k) for k in layers], [cell["per_layer"][k]["recall_mean"] for k in layers],
-                        label=f"{sel} ({name})", linestyle="-" if name == runs[-1][0] else "--")
-        ax.set_title(f"ctx {ctx}, budget {budget}")
-        ax.set_xlabel("layer")
-        ax.set_ylabel("mean attention recall")
-        ax.grid(alpha=0.3)
+    contexts = sorted({int(c["context"]) for _, d in runs for c in d["cells"]})
+    budgets = sorted({c["budget"] for _, d in runs for c in d["cells"]}, key=_frac)
+    fig, axes = plt.subplots(len(contexts), len(budgets), figsize=(4.5 * len(budgets), 3.4 * len(contexts)),
+                             squeeze=False)
+    colors = {sel: f"C{i}" for i, sel in enumerate(selectors)}
+    styles = ["--", "-", ":", "-."]
+    for r, ctx in enumerate(contexts):
+        for c, budget in enumerate(budgets):
+            ax = axes[r][c]
+            for i, (name, data) in enumerate(runs):
+                idx = _index(data)
+                for sel in selectors:
+                    cell = idx.get((ctx, budget, sel))
+                    if cell is None or not cell.get("per_layer"):
+                        continue
+                    layers = sorted(cell["per_layer"], key=int)
+                    ax.plot([int(k) for k in layers], [cell["per_layer"][k]["recall_mean"] for k in layers],
+                            color=colors[sel], linestyle=styles[i % len(styles)], label=f"{sel} ({name})")
+            ax.set_title(f"ctx {ctx}, budget {budget}", fontsize=9)
+            ax.set_xlabel("layer", fontsize=8)
+            ax.set_ylabel("mean attention recall", fontsize=8)
+            ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
