@@ -53,10 +53,20 @@ def test_recall_wins_ignores_summation_noise():
 
 
 def test_different_grids_are_refused(tmp_path):
-    a = _write(tmp_path, "a", _results({"learned": 20.0}, {}))
-    b = _write(tmp_path, "b", _results({"learned": 20.0}, {}, contexts=(200,)))
-    with pytest.raises(UsageError, match="grid.contexts is \\[200\\], but a has \\[100\\]"):
-        load_runs([("a", a), ("b", b)])
+    base = _results({"learned": 20.0}, {})
+    base["dense"] = {"100": {"ppl": 10.0}}
+    other_budgets = json.loads(json.dumps(base))
+    other_budgets["settings"]["grid"]["budgets"] = ["1/8"]
+    other_window = json.loads(json.dumps(base))
+    other_window["dense"]["100"]["ppl"] = 10.5
+    more_contexts = _results({"learned": 20.0}, {}, contexts=(100, 200))
+    more_contexts["dense"] = {"100": {"ppl": 10.0}, "200": {"ppl": 9.0}}
+    a = _write(tmp_path, "a", base)
+    with pytest.raises(UsageError, match="grid.budgets is \\['1/8'\\], but a has \\['1/4'\\]"):
+        load_runs([("a", a), ("b", _write(tmp_path, "b", other_budgets))])
+    with pytest.raises(UsageError, match="dense perplexity at context 100 is 10.500000, but a has 10.000000"):
+        load_runs([("a", a), ("w", _write(tmp_path, "w", other_window))])
+    assert len(load_runs([("a", a), ("m", _write(tmp_path, "m", more_contexts))])) == 2  # shared 100 matches
     with pytest.raises(UsageError, match="cannot read results.json"):
         load_runs([("x", str(tmp_path / "missing.json"))])
 

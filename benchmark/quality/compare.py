@@ -3,8 +3,9 @@
 Used for issue 7's before/after tables: for every context and budget, each selector's
 perplexity in each run, its position against ``learned``, ``locality`` and ``oracle`` of
 the same run, its mean attention recall, and in how many layers its recall beats
-``locality``'s. Runs must share the model, text and grid (checked: comparing different
-grids is a mistake the table would hide).
+``locality``'s. Runs must share the model, text, budgets and metric stride, and every
+context two runs share must have the same dense perplexity (the same window); checked,
+because comparing different grids is a mistake the table would hide.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from benchmark.quality.errors import UsageError
 from benchmark.quality.raised_gate import RaisedGateThresholds
 
 REFERENCES = ("learned", "locality", "oracle")
-_SAME = ("model.gguf_sha256", "text.novel", "text.windows", "text.window_seed", "grid.contexts", "grid.budgets",
-         "grid.metric_stride")
+_SAME = ("model.gguf_sha256", "text.novel", "text.windows", "text.window_seed", "grid.budgets", "grid.metric_stride")
 
 
 def _get(d: Dict, dotted: str):
@@ -46,6 +46,13 @@ def load_runs(named_paths: Sequence[Tuple[str, str]]) -> List[Tuple[str, Dict]]:
             a, b = _get(first["settings"], key), _get(data["settings"], key)
             if a != b:
                 raise UsageError(f"--run {name}: {key} is {b!r}, but {first_name} has {a!r} (not the same grid)")
+        # Contexts may differ (rows appear where a run has them), but a shared context must
+        # be the same text window: its dense perplexity has to match.
+        for ctx in set(first.get("dense", {})) & set(data.get("dense", {})):
+            a, b = first["dense"][ctx]["ppl"], data["dense"][ctx]["ppl"]
+            if abs(a - b) > 1e-6 * abs(a):
+                raise UsageError(f"--run {name}: dense perplexity at context {ctx} is {b:.6f}, but {first_name} "
+                                 f"has {a:.6f} (not the same text window)")
     return runs
 
 
