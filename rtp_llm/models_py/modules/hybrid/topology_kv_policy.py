@@ -105,9 +105,10 @@ class TopologyKVPolicyConfig:
         Token-granular sinks: the first ``sink_tokens`` tokens replace the ``sink_blocks``
         whole blocks, and the blocks they touch are never local or witness blocks. None
         keeps whole sink blocks (the seed's setting). Default 4: in the quality runs
-        (docs/topology_vs_learned_runs.md) 4 token sinks made every merge mode better than
-        one 64-token sink block at every budget, and kept ``topology_only`` from spending
-        a tight budget on one block (perplexity 464 -> 32.6 at W = 64, ctx 1024).
+        (docs/topology_vs_learned_runs.md) 4 token sinks took ``topology_sparse_merge``
+        from +8.4% to -0.3% perplexity vs the learned indexer at W = 64 (ctx 1024), left
+        ``topology_compress_sparse`` unchanged within noise, and kept ``topology_only``
+        from spending a tight budget on one block (perplexity 464 -> 32.6 at W = 64).
     structural_budget : StructuralBudget or its name
         ``fixed`` (seed): ``floor(W * max_structural_fraction)`` per row; ``scaled``: that
         cap times ``W / max(length, W)``, rounded down.
