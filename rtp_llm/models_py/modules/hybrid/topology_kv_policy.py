@@ -635,8 +635,7 @@ def topology_kv_policy_core(
         inject_p = take_p & new_p
         n_inject = inject_p.sum(dim=1)
         # Which layout slots are protected: the taken ones, back in layout order (+ slot S: none).
-        inv_perm = torch.argsort(perm)
-        taken = torch.cat([take_p.index_select(1, inv_perm), torch.zeros_like(take_p[:, :1])], dim=1)
+        taken = torch.zeros(R, S + 1, dtype=torch.bool, device=device).index_copy_(1, perm, take_p)
         inj = torch.full((R, S + 1), -1, dtype=idt, device=device)  # injected tokens, in order
         inj.scatter_(1, torch.where(inject_p, new_rank.to(torch.int64) - 1, S), tok_p.to(idt))
         inj = inj[:, :S] if off is None else torch.where(inj[:, :S] >= 0, inj[:, :S] + off, -1)

@@ -209,6 +209,18 @@ def _check_lengths(lengths, *, rows: Optional[int] = None, max_length: Optional[
 # ----------------------------------------------------------------------------------------
 
 
+def _check_block_keys(keys, block_size, lengths) -> None:
+    """Validation shared by the per-block key tables (centroids, min/max bounds)."""
+    _check_int("block_size", block_size, 1)
+    _check_tensor("keys", keys, ndims=(3, 4), dtypes=_FLOAT_DTYPES)
+    if keys.shape[-3] == 0:
+        raise ValueError(f"keys: expected L > 0 tokens, got shape {tuple(keys.shape)}")
+    if lengths is not None:
+        if keys.dim() != 4:
+            raise ValueError("lengths: only valid with batched keys [B, L, H, D]")
+        _check_lengths(lengths, rows=keys.shape[0], max_length=keys.shape[1])
+
+
 def block_key_centroids(
     keys: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, lengths: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
@@ -229,14 +241,7 @@ def block_key_centroids(
     partial last block is the mean of its valid tokens; a block with no valid
     token is all zeros.
     """
-    _check_int("block_size", block_size, 1)
-    _check_tensor("keys", keys, ndims=(3, 4), dtypes=_FLOAT_DTYPES)
-    if keys.shape[-3] == 0:
-        raise ValueError(f"keys: expected L > 0 tokens, got shape {tuple(keys.shape)}")
-    if lengths is not None:
-        if keys.dim() != 4:
-            raise ValueError("lengths: only valid with batched keys [B, L, H, D]")
-        _check_lengths(lengths, rows=keys.shape[0], max_length=keys.shape[1])
+    _check_block_keys(keys, block_size, lengths)
     return block_key_centroids_unchecked(keys, block_size, lengths)
 
 
@@ -561,14 +566,7 @@ def block_key_bounds(
     float64 input), ``N = ceil(L / block_size)``. A block with no valid token is all zeros
     in both (its bound is then 0, like an empty centroid's dot product).
     """
-    _check_int("block_size", block_size, 1)
-    _check_tensor("keys", keys, ndims=(3, 4), dtypes=_FLOAT_DTYPES)
-    if keys.shape[-3] == 0:
-        raise ValueError(f"keys: expected L > 0 tokens, got shape {tuple(keys.shape)}")
-    if lengths is not None:
-        if keys.dim() != 4:
-            raise ValueError("lengths: only valid with batched keys [B, L, H, D]")
-        _check_lengths(lengths, rows=keys.shape[0], max_length=keys.shape[1])
+    _check_block_keys(keys, block_size, lengths)
     return block_key_bounds_unchecked(keys, block_size, lengths)
 
 
