@@ -2,7 +2,7 @@
 
 Used by tests (and benchmarks), never by the serving path. Loops and ``.tolist()`` are
 deliberate: each function is meant to be obviously correct, not fast. Mirrors
-``rtp_llm/models_py/modules/hybrid/indexer_ref_ops.py`` and the parameter planning the
+``rtp_llm/models_py/modules/hybrid/indexer_torch_ops.py`` and the parameter planning the
 engine does before calling ``Indexer._compute_topk``.
 """
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from benchmark import indexer_reference as ref
 from benchmark import topology_kv_reference as policy_ref
-from rtp_llm.models_py.modules.hybrid import indexer_ref_ops as ops
+from rtp_llm.models_py.modules.hybrid import indexer_torch_ops as ops
 from rtp_llm.models_py.modules.hybrid.indexer import (
     ALL_PATHS,
     ENV_LOCAL_BLOCKS,

@@ -4,7 +4,7 @@ Shaped like the engine's ``rtp_llm/models_py/modules/hybrid/indexer.py``:
 ``Indexer._compute_topk(q, weights, kv_cache, fmha_params, attention_inputs, cp_params)``
 routes to one of three top-k ops and returns int32 ``[R, W]`` rows of request-local
 token positions (DESIGN.md has the convention). Here the ops are the torch references in
-``indexer_ref_ops`` so the path runs on a CPU; the engine's kernels slot in by overriding
+``indexer_torch_ops`` so the path runs on a CPU; the engine's kernels slot in by overriding
 ``_get_topk_paged`` / ``_get_topk_ragged`` / ``_get_topk_ragged_cp``.
 
 How the path is chosen (:meth:`Indexer.select_path`), in this order:
@@ -59,7 +59,7 @@ from typing import Any, FrozenSet, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from rtp_llm.models_py.modules.hybrid import indexer_ref_ops
+from rtp_llm.models_py.modules.hybrid import indexer_torch_ops
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import (
     CoordinateMismatchAction,
     StructuralBudget,
@@ -547,8 +547,8 @@ class Indexer(nn.Module):
         self,
         index_n_heads: int,
         index_head_dim: int,
-        index_topk: int = indexer_ref_ops.DEFAULT_TOPK_WIDTH,
-        blocksize: int = indexer_ref_ops.DEFAULT_PAGE_SIZE,
+        index_topk: int = indexer_torch_ops.DEFAULT_TOPK_WIDTH,
+        blocksize: int = indexer_torch_ops.DEFAULT_PAGE_SIZE,
         *,
         layer_idx: int = 0,
         fp8_emulation: bool = False,
@@ -679,7 +679,7 @@ class Indexer(nn.Module):
         """Store this step's keys ``[T, D]`` at ``slot_mapping`` (int ``[T]``, every slot
         valid) and feed them, as stored, to ``drift_tracker`` (needs ``positions`` and,
         for a batch, ``request_ids``). Reference of the engine's ``quant_k_only``."""
-        stored = indexer_ref_ops.fp8_e4m3_round_trip(keys) if self.fp8_emulation else keys
+        stored = indexer_torch_ops.fp8_e4m3_round_trip(keys) if self.fp8_emulation else keys
         pool = kv_cache.k_cache.view(-1, kv_cache.k_cache.shape[-1])
         pool[slot_mapping.to(torch.int64)] = stored.to(pool.dtype)
         if drift_tracker is not None:
@@ -698,7 +698,7 @@ class Indexer(nn.Module):
         attention_inputs: IndexerAttentionInputs,
     ) -> torch.Tensor:
         """Decode: logits over each row's request read through the block table; int32 ``[R, W]``."""
-        return indexer_ref_ops.paged_indexer_topk(
+        return indexer_torch_ops.paged_indexer_topk(
             q,
             weights,
             kv_cache.k_cache,
@@ -718,13 +718,13 @@ class Indexer(nn.Module):
         attention_inputs: IndexerAttentionInputs,
     ) -> torch.Tensor:
         """Prefill: keys gathered into a ragged buffer by ``cu_kv_seqlens``; int32 ``[R, W]``."""
-        keys = indexer_ref_ops.gather_ragged_keys(
+        keys = indexer_torch_ops.gather_ragged_keys(
             kv_cache.k_cache,
             attention_inputs.kv_cache_kernel_block_id_device,
             attention_inputs.cu_kv_seqlens_device,
             attention_inputs.total_kv_len,
         )
-        return indexer_ref_ops.ragged_indexer_topk(
+        return indexer_torch_ops.ragged_indexer_topk(
             q,
             weights,
             keys,
@@ -751,7 +751,7 @@ class Indexer(nn.Module):
         precomputed_topk_off: torch.Tensor,
     ) -> Optional[torch.Tensor]:
         """CP prefill: this rank's rows against the full key buffer; ``[R_local, W]`` or None."""
-        return indexer_ref_ops.cp_indexer_topk(
+        return indexer_torch_ops.cp_indexer_topk(
             q,
             weights,
             kv_cache.k_cache,
