@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from rtp_llm.models_py.modules.hybrid.indexer import (
+from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerAttentionInputs,
     IndexerCPParams,
     IndexerFmhaParams,

@@ -19,7 +19,14 @@ from hypothesis import strategies as st
 from benchmark import indexer_reference as ref
 from benchmark import topology_kv_reference as policy_ref
 from rtp_llm.models_py.modules.hybrid import indexer_torch_ops as ops
-from rtp_llm.models_py.modules.hybrid.indexer import (
+from rtp_llm.models_py.modules.hybrid.indexer import Indexer
+from rtp_llm.models_py.modules.hybrid.indexer_params import (
+    IndexerAttentionInputs,
+    IndexerCPParams,
+    IndexerFmhaParams,
+    IndexerKeyCache,
+)
+from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     ALL_PATHS,
     ENV_LOCAL_BLOCKS,
     ENV_MAX_STRUCTURAL_FRACTION,
@@ -29,25 +36,20 @@ from rtp_llm.models_py.modules.hybrid.indexer import (
     ENV_SINK_BLOCKS,
     ENV_SINK_TOKENS,
     ENV_WITNESS_BLOCKS,
-    BlockDriftTracker,
-    Indexer,
-    IndexerAttentionInputs,
-    IndexerCPParams,
-    IndexerFmhaParams,
-    IndexerKeyCache,
     IndexerPath,
     IndexerTopologySettings,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_policy import (
+from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
+from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     CoordinateMismatchAction,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
-    TopologyRequestContext,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
-    DriftMetric,
+from rtp_llm.models_py.modules.hybrid.topology_kv_policy import TopologyRequestContext
+from rtp_llm.models_py.modules.hybrid.topology_kv_drift import (
     block_drift_scores,
     block_key_centroids,
+    DriftMetric,
 )
 
 DEVICE = torch.device(os.environ.get("TOPOLOGY_KV_TEST_DEVICE", "cpu"))
@@ -687,8 +689,8 @@ def test_decode_path_with_policy_and_tracker_update_do_not_sync(decode_case):
 
 
 def test_env_sink_tokens_and_structural_budget():
-    from rtp_llm.models_py.modules.hybrid.indexer import IndexerTopologySettings
-    from rtp_llm.models_py.modules.hybrid.topology_kv_policy import StructuralBudget
+    from rtp_llm.models_py.modules.hybrid.topology_kv_config import IndexerTopologySettings
+    from rtp_llm.models_py.modules.hybrid.topology_kv_config import StructuralBudget
 
     env = {"RTP_LLM_TOPOLOGY_KV_POLICY": "topology_sparse_merge", "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS": "4",
            "RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET": "Scaled"}

@@ -19,13 +19,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmark import indexer_reference as ref
-from rtp_llm.models_py.modules.hybrid.indexer import (
-    BlockDriftTracker,
-    Indexer,
-    IndexerKeyCache,
-    IndexerTopologySettings,
-)
-from rtp_llm.models_py.modules.hybrid.topology_kv_policy import (
+from rtp_llm.models_py.modules.hybrid.indexer import Indexer
+from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerKeyCache
+from rtp_llm.models_py.modules.hybrid.topology_kv_config import IndexerTopologySettings
+from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
+from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     CoordinateMismatchAction,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,

@@ -16,16 +16,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmark import topology_kv_reference as ref
-from rtp_llm.models_py.modules.hybrid.topology_kv_policy import (
-    COUNTER_NAMES,
+from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     CoordinateMismatchAction,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
-    TopologyRequestContext,
+)
+from rtp_llm.models_py.modules.hybrid.topology_kv_policy import (
     apply_topology_kv_policy,
     check_topk_coordinates,
+    COUNTER_NAMES,
     policy_fingerprint,
     topology_kv_policy_core,
+    TopologyRequestContext,
 )
 
 DEVICE = torch.device(os.environ.get("TOPOLOGY_KV_TEST_DEVICE", "cpu"))
@@ -520,9 +522,9 @@ def test_core_compiles_fullgraph_without_graph_breaks(mode, sink_tokens, scaled)
 
 
 def test_query_aware_witness_signals_compile_fullgraph():
-    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
+    from rtp_llm.models_py.modules.hybrid.topology_kv_drift import block_key_centroids_unchecked
+    from rtp_llm.models_py.modules.hybrid.topology_kv_witness import (
         block_key_bounds_unchecked,
-        block_key_centroids_unchecked,
         query_bound_scores_unchecked,
         query_mass_scores_unchecked,
     )

@@ -14,15 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmark import topology_kv_reference as ref
-from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
-    DriftMetric,
-    TopologyScheduleConfig,
+from rtp_llm.models_py.modules.hybrid.topology_kv_drift import (
     block_drift_scores,
     block_key_centroids,
+    DriftMetric,
+)
+from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
     build_block_schedule,
     build_topology_token_indices,
     expand_block_schedule,
     prioritized_block_schedule_unchecked,
+    TopologyScheduleConfig,
 )
 
 DEVICE = torch.device(os.environ.get("TOPOLOGY_KV_TEST_DEVICE", "cpu"))
@@ -268,7 +270,7 @@ def test_inputs_not_mutated():
 
 
 def test_witness_signal_parsing():
-    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import WitnessSignal
+    from rtp_llm.models_py.modules.hybrid.topology_kv_witness import WitnessSignal
 
     assert WitnessSignal.parse("Query_Centroid") is WitnessSignal.QUERY_CENTROID
     with pytest.raises(ValueError, match="witness signal: expected one of \\[key_drift, value_drift"):
@@ -276,7 +278,7 @@ def test_witness_signal_parsing():
 
 
 def test_query_centroid_scores_hand_computed_and_vs_loop():
-    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import query_centroid_scores
+    from rtp_llm.models_py.modules.hybrid.topology_kv_witness import query_centroid_scores
 
     # 2 query heads share 1 KV head; centroids of 3 blocks in D=2.
     q = torch.tensor([[[1.0, 0.0], [0.0, 2.0]]], device=DEVICE)  # [R=1, H=2, D=2]
@@ -296,7 +298,7 @@ def test_query_centroid_scores_hand_computed_and_vs_loop():
 
 
 def test_block_key_bounds_hand_computed_and_lengths():
-    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import block_key_bounds
+    from rtp_llm.models_py.modules.hybrid.topology_kv_witness import block_key_bounds
 
     # L=3, H=1, D=2, block 2: block 0 = tokens 0-1, block 1 = token 2.
     keys = torch.tensor([[[1.0, -2.0]], [[3.0, 5.0]], [[-4.0, 0.5]]], device=DEVICE)
@@ -320,7 +322,7 @@ def test_block_key_bounds_hand_computed_and_lengths():
     seed=st.integers(0, 2**16),
 )
 def test_block_key_bounds_vs_reference(L, bs, dtype, seed):
-    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import block_key_bounds
+    from rtp_llm.models_py.modules.hybrid.topology_kv_witness import block_key_bounds
 
     keys = (torch.randn(2, L, 2, 3, generator=_gen(seed)) * 10).to(dtype)
     lengths = torch.randint(1, L + 1, (2,), generator=_gen(seed + 1))
@@ -333,7 +335,7 @@ def test_block_key_bounds_vs_reference(L, bs, dtype, seed):
 
 
 def test_query_bound_scores_hand_computed():
-    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import query_bound_scores
+    from rtp_llm.models_py.modules.hybrid.topology_kv_witness import query_bound_scores
 
     # One head, D=2, scale 1: q = (1, -1). Block 0 keys in [0,2] x [-1,1]: u = 1*2 + (-1)(-1) = 3.
     # Block 1 keys in [-1,0] x [0,3]: u = 1*0 + (-1)*0 = 0. Softmax: e^3/(e^3+1), 1/(e^3+1).
@@ -362,7 +364,7 @@ def test_query_bound_scores_hand_computed():
     seed=st.integers(0, 2**16),
 )
 def test_query_mass_and_bound_scores_vs_reference(R, N, groups, per_row, with_lengths, signal, seed):
-    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import query_bound_scores, query_mass_scores
+    from rtp_llm.models_py.modules.hybrid.topology_kv_witness import query_bound_scores, query_mass_scores
 
     H, Hkv = groups
     D, bs = 5, 4
@@ -391,7 +393,7 @@ def test_query_mass_and_bound_scores_vs_reference(R, N, groups, per_row, with_le
 
 
 def test_query_mass_scores_hand_computed():
-    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import query_mass_scores
+    from rtp_llm.models_py.modules.hybrid.topology_kv_witness import query_mass_scores
 
     # Two heads share one KV head, D=2, scale 1. Centroids: block 0 (1, 0), block 1 (0, 1).
     # Head 0 q=(2, 0): logits 2, 0 -> e^2/(e^2+1), 1/(e^2+1). Head 1 q=(0, 0): 1/2, 1/2.
@@ -409,7 +411,7 @@ def test_query_mass_scores_hand_computed():
 
 
 def test_query_bound_scores_bad_input_names_argument():
-    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import query_bound_scores
+    from rtp_llm.models_py.modules.hybrid.topology_kv_witness import query_bound_scores
 
     q = torch.randn(2, 4, 8, device=DEVICE)
     k = torch.zeros(3, 2, 8, device=DEVICE)
@@ -421,7 +423,7 @@ def test_query_bound_scores_bad_input_names_argument():
         query_bound_scores(q, k, k, lengths=torch.tensor([1], device=DEVICE))
     with pytest.raises(ValueError, match="scale: expected a positive number"):
         query_bound_scores(q, k, k, scale=0.0)
-    from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import query_mass_scores
+    from rtp_llm.models_py.modules.hybrid.topology_kv_witness import query_mass_scores
 
     with pytest.raises(ValueError, match="key_centroids: expected 2 rows"):
         query_mass_scores(q, torch.zeros(3, 3, 2, 8, device=DEVICE))

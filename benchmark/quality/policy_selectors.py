@@ -2,7 +2,7 @@
 
 For each full-attention layer: the proxy indexer's top-W rows and scores
 (:func:`benchmark.quality.selectors.learned_rows_and_scores`), the layer's key-centroid
-drift per 64-token block (``topology_kv_schedule.block_key_centroids`` on the post-RoPE
+drift per 64-token block (``topology_kv_drift.block_key_centroids`` on the post-RoPE
 keys, then ``block_drift_scores``: block 0 scores 0), then the policy, exactly as the
 serving path calls it. All rows of a forward belong to one request, so the drift is one
 ``[1, N]`` row shared through ``row_to_request``; blocks past a row's causal length are
@@ -17,6 +17,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from rtp_llm.models_py.modules.hybrid.topology_kv_drift import block_drift_scores, block_key_centroids
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.layer import LayerInputs
 from benchmark.quality.selectors import Selector, SelectorSettings, learned_rows_and_scores
@@ -26,10 +27,10 @@ _POLICY_MODULE = "rtp_llm.models_py.modules.hybrid.topology_kv_policy"
 
 def _policy():
     try:
-        from rtp_llm.models_py.modules.hybrid import topology_kv_policy, topology_kv_schedule
+        from rtp_llm.models_py.modules.hybrid import topology_kv_policy, topology_kv_witness
     except ImportError as exc:
         raise SetupError(f"the policy selectors need {_POLICY_MODULE} on the import path: {exc}") from exc
-    return topology_kv_policy, topology_kv_schedule
+    return topology_kv_policy, topology_kv_witness
 
 
 def policy_mode_names() -> Tuple[str, ...]:
@@ -109,8 +110,8 @@ def layer_block_drift(layer: LayerInputs, block_size: int) -> torch.Tensor:
     """fp32 ``[1, N]`` L2 drift of the layer's post-RoPE key centroids, ``N = ceil(L / bs)``."""
     _, schedule = _policy()
     keys = layer.key.transpose(0, 1)  # [Hkv, L, D] -> [L, Hkv, D], token-major like the cache
-    centroids = schedule.block_key_centroids(keys, block_size=block_size)  # [N, Hkv, D]
-    return schedule.block_drift_scores(centroids).unsqueeze(0)  # [1, N]
+    centroids = block_key_centroids(keys, block_size=block_size)  # [N, Hkv, D]
+    return block_drift_scores(centroids).unsqueeze(0)  # [1, N]
 
 
 def layer_witness_scores(layer: LayerInputs, block_size: int, signal: str) -> Tuple[torch.Tensor, bool]:
@@ -124,15 +125,15 @@ def layer_witness_scores(layer: LayerInputs, block_size: int, signal: str) -> Tu
         return layer_block_drift(layer, block_size), True
     if signal is schedule.WitnessSignal.VALUE_DRIFT:
         values = layer.value.transpose(0, 1)  # [L, Hkv, D]
-        cents = schedule.block_key_centroids(values, block_size=block_size)
-        return schedule.block_drift_scores(cents).unsqueeze(0), True
+        cents = block_key_centroids(values, block_size=block_size)
+        return block_drift_scores(cents).unsqueeze(0), True
     keys = layer.key.transpose(0, 1)  # [L, Hkv, D]
     query = layer.query.transpose(0, 1)  # [H, T, D] -> [T, H, D]
     if signal is schedule.WitnessSignal.QUERY_BOUND:
         kmin, kmax = schedule.block_key_bounds(keys, block_size=block_size)  # [N, Hkv, D] each
         scores = schedule.query_bound_scores(query, kmin, kmax, layer.lengths, block_size, scale=layer.scaling)
         return scores, False  # [T, N]
-    cents = schedule.block_key_centroids(keys, block_size=block_size)  # [N, Hkv, D]
+    cents = block_key_centroids(keys, block_size=block_size)  # [N, Hkv, D]
     if signal is schedule.WitnessSignal.QUERY_MASS:
         return schedule.query_mass_scores(query, cents, layer.lengths, block_size, scale=layer.scaling), False
     return schedule.query_centroid_scores(query, cents), False  # [T, N]

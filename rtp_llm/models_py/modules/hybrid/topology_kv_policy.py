@@ -6,7 +6,7 @@ returns rows of the same shape, dtype and device that the sparse attention consu
 unchanged. Shape vocabulary: ``R`` rows, ``W`` top-k width, ``B`` requests, ``N`` blocks,
 ``S`` structural slots (``scheduled blocks * block_size``).
 
-Coordinate contract (DESIGN.md): row ``r`` holds request-local token positions in
+Coordinate contract (docs/architecture.md): row ``r`` holds request-local token positions in
 ``[offset[r], offset[r] + lengths[r])``; negative entries are padding. The output keeps
 that interval, is unique per row, has valid entries first and ``-1`` after them, and
 never reaches past the causal length. Input rows are assumed unique (the engine's top-k
@@ -20,142 +20,23 @@ so it runs inside a CUDA graph and under ``torch.compile(fullgraph=True)``.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
-import math
 import time
 from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
-    DEFAULT_BLOCK_SIZE,
-    score_sort_keys,
-    expand_blocks_unchecked,
-    parse_enum_member,
-    prioritized_block_schedule_unchecked,
+from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
+    CoordinateMismatchAction,
+    StructuralBudget,
+    TopologyKVPolicyConfig,
+    TopologyKVPolicyMode,
 )
-
-
-class TopologyKVPolicyMode(enum.Enum):
-    """What the policy does to the learned top-k rows."""
-
-    DISABLED = "disabled"  # return the input tensor itself
-    TOPOLOGY_SPARSE_MERGE = "topology_sparse_merge"  # learned rows + structural blocks
-    TOPOLOGY_COMPRESS_SPARSE = "topology_compress_sparse"  # merge, scaffold blocks as 1 token each
-    TOPOLOGY_ONLY = "topology_only"  # structural blocks only, full budget
-
-    @classmethod
-    def parse(cls, value: Union[str, "TopologyKVPolicyMode"]) -> "TopologyKVPolicyMode":
-        """The one place a mode name is parsed: case-insensitive, surrounding blanks ignored."""
-        return _parse_enum(cls, value, "policy")
-
-
-class CoordinateMismatchAction(enum.Enum):
-    """What to do with a learned index outside its row's ``[offset, offset + length)``."""
-
-    RAISE = "raise"  # check on the host (one sync) and raise naming row and value
-    FALLBACK_DISABLED = "fallback_disabled"  # return such rows unchanged, count them; no sync
-
-    @classmethod
-    def parse(cls, value: Union[str, "CoordinateMismatchAction"]) -> "CoordinateMismatchAction":
-        return _parse_enum(cls, value, "coordinate_mismatch_action")
-
-
-class StructuralBudget(enum.Enum):
-    """How many structural tokens a merge mode may inject into a row of width ``W``."""
-
-    FIXED = "fixed"  # floor(W * max_structural_fraction) (the seed's rule)
-    SCALED = "scaled"  # that, times W / max(length, W): less structure as the row outgrows W
-
-    @classmethod
-    def parse(cls, value: Union[str, "StructuralBudget"]) -> "StructuralBudget":
-        return _parse_enum(cls, value, "structural_budget")
-
-
-def _parse_enum(cls, value, setting: str):
-    return parse_enum_member(cls, value, setting)
-
-
-def _check_count(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
-
-
-@dataclasses.dataclass(frozen=True)
-class TopologyKVPolicyConfig:
-    """Validated, immutable policy configuration (read once, at construction).
-
-    Attributes
-    ----------
-    policy : TopologyKVPolicyMode or its name (parsed case-insensitively)
-    sink_blocks, local_blocks, witness_blocks : int >= 0
-        Structural blocks per row (see ``topology_kv_schedule``). ``TOPOLOGY_ONLY``
-        ignores ``witness_blocks``: witnesses fill whatever budget remains.
-    block_size : int > 0
-        Tokens per block; 64 is the engine's KV page size.
-    max_structural_fraction : float in (0, 1]
-        Merge modes: at most ``floor(W * max_structural_fraction)`` structural tokens are
-        *injected* per row (structural tokens the learned row already holds are free).
-        0.25 keeps three quarters of the learned budget for the indexer.
-    coordinate_mismatch_action : CoordinateMismatchAction or its name
-    sink_tokens : int >= 0 or None
-        Token-granular sinks: the first ``sink_tokens`` tokens replace the ``sink_blocks``
-        whole blocks, and the blocks they touch are never local or witness blocks. None
-        keeps whole sink blocks (the seed's setting). Default 4: in the quality runs
-        (docs/topology_vs_learned_runs.md) 4 token sinks took ``topology_sparse_merge``
-        from +8.4% to -0.3% perplexity vs the learned indexer at W = 64 (ctx 1024), left
-        ``topology_compress_sparse`` unchanged within noise, and kept ``topology_only``
-        from spending a tight budget on one block (perplexity 464 -> 32.6 at W = 64).
-    structural_budget : StructuralBudget or its name
-        ``fixed`` (seed): ``floor(W * max_structural_fraction)`` per row; ``scaled``: that
-        cap times ``W / max(length, W)``, rounded down.
-    """
-
-    policy: TopologyKVPolicyMode = TopologyKVPolicyMode.DISABLED
-    sink_blocks: int = 1
-    local_blocks: int = 2
-    witness_blocks: int = 2
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_structural_fraction: float = 0.25
-    coordinate_mismatch_action: CoordinateMismatchAction = CoordinateMismatchAction.RAISE
-    sink_tokens: Optional[int] = 4
-    structural_budget: StructuralBudget = StructuralBudget.FIXED
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "structural_budget", StructuralBudget.parse(self.structural_budget))
-        if self.sink_tokens is not None:
-            _check_count("sink_tokens", self.sink_tokens, 0)
-        object.__setattr__(self, "policy", TopologyKVPolicyMode.parse(self.policy))
-        object.__setattr__(
-            self, "coordinate_mismatch_action", CoordinateMismatchAction.parse(self.coordinate_mismatch_action)
-        )
-        _check_count("sink_blocks", self.sink_blocks, 0)
-        _check_count("local_blocks", self.local_blocks, 0)
-        _check_count("witness_blocks", self.witness_blocks, 0)
-        _check_count("block_size", self.block_size, 1)
-        frac = self.max_structural_fraction
-        if isinstance(frac, bool) or not isinstance(frac, (int, float)):
-            raise TypeError(f"max_structural_fraction: expected float, got {type(frac).__name__} {frac!r}")
-        if not (math.isfinite(frac) and 0.0 < frac <= 1.0):
-            raise ValueError(f"max_structural_fraction: expected a value in (0, 1], got {frac}")
-        sinks = self.sink_blocks if self.sink_tokens is None else self.sink_tokens
-        if self.enabled and sinks + self.local_blocks + self.witness_blocks == 0:
-            if self.policy is not TopologyKVPolicyMode.TOPOLOGY_ONLY:
-                raise ValueError(
-                    "sink_blocks (or sink_tokens) + local_blocks + witness_blocks: expected > 0 for "
-                    f"{self.policy.value}, got 0 (the policy would inject nothing)"
-                )
-
-    @property
-    def enabled(self) -> bool:
-        return self.policy is not TopologyKVPolicyMode.DISABLED
-
-    def structural_cap(self, width: int) -> int:
-        """Most structural tokens a merge mode injects into a row of width ``width``."""
-        return int(math.floor(width * self.max_structural_fraction))
+from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
+    expand_blocks_unchecked,
+    prioritized_block_schedule_unchecked,
+    score_sort_keys,
+)
 
 
 # ---------------------------------------------------------------------------------------

@@ -29,80 +29,18 @@ policy hot path do not look at values and never force a host sync.
 from __future__ import annotations
 
 import dataclasses
-import enum
-from typing import Optional, Tuple, Union
+from typing import Optional
 
 import torch
 
-DEFAULT_BLOCK_SIZE = 64  # the engine's KV page size (tokens per block)
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_INT_DTYPES = (torch.int32, torch.int64)
-
-
-def parse_enum_member(cls, value, setting: str):
-    """The one parser of option names: a member, or its value/name case-insensitively.
-
-    Unknown names raise ``ValueError`` naming ``setting`` and listing the valid values.
-    """
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str):
-        key = value.strip().lower()
-        for member in cls:
-            if key in (member.value, member.name.lower()):
-                return member
-    valid = ", ".join(m.value for m in cls)
-    raise ValueError(f"{setting}: expected one of [{valid}] (case-insensitive), got {value!r}")
-
-
-class DriftMetric(enum.Enum):
-    """How far a block's key centroid moved from the previous block's centroid."""
-
-    L2 = "l2"  # ||c[b] - c[b-1]||_2 over (H, D)
-    COSINE = "cosine"  # 1 - cos(c[b], c[b-1]) over the flattened (H, D) vector
-
-    @classmethod
-    def parse(cls, value: Union[str, "DriftMetric"]) -> "DriftMetric":
-        """Parse a metric name case-insensitively; unknown names list the valid ones."""
-        return parse_enum_member(cls, value, "drift metric")
-
-
-class WitnessSignal(enum.Enum):
-    """What ranks the witness blocks (the caller computes it; the policy takes the scores).
-
-    KEY_DRIFT      ``||c_k[b] - c_k[b-1]||`` of key centroids: where the content changes
-                   (the seed's signal; query-independent, one vector per request).
-    VALUE_DRIFT    the same on value centroids: information the key-only indexer never sees.
-    QUERY_CENTROID ``sum_h relu(q_h . c_k[b, g(h)])``: the row's own query against each
-                   block's key centroid, DSA's indexer form at block granularity (N dot
-                   products per head instead of L; a coarse, cheap second opinion).
-    QUERY_MASS     the row's query against each block's key centroid, softmax-normalized
-                   over the row's blocks per head (scale ``D ** -0.5``) and summed over heads:
-                   the estimated attention mass of each block, i.e. the recall a witness
-                   adds. Same side table as QUERY_CENTROID; the softmax makes every head
-                   count equally, as the recall metric does.
-    QUERY_BOUND    as QUERY_MASS, with ``sum_d max(q_d kmin_d, q_d kmax_d)`` (an upper bound
-                   on ``q . k`` over the block, as in Quest) in place of the centroid dot
-                   product. Two ``[N, Hkv, D]`` side tables (per-channel key min and max).
-    """
-
-    KEY_DRIFT = "key_drift"
-    VALUE_DRIFT = "value_drift"
-    QUERY_CENTROID = "query_centroid"
-    QUERY_MASS = "query_mass"
-    QUERY_BOUND = "query_bound"
-
-    @classmethod
-    def parse(cls, value: Union[str, "WitnessSignal"]) -> "WitnessSignal":
-        return parse_enum_member(cls, value, "witness signal")
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
+from rtp_llm.models_py.modules.hybrid.topology_kv_checks import (
+    check_int,
+    check_lengths,
+    check_tensor,
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+)
+from rtp_llm.models_py.modules.hybrid.topology_kv_config import DEFAULT_BLOCK_SIZE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +68,10 @@ class TopologyScheduleConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
-        _check_int("sink_blocks", self.sink_blocks, 0)
-        _check_int("local_blocks", self.local_blocks, 0)
-        _check_int("witness_blocks", self.witness_blocks, 0)
-        _check_int("block_size", self.block_size, 1)
+        check_int("sink_blocks", self.sink_blocks, 0)
+        check_int("local_blocks", self.local_blocks, 0)
+        check_int("witness_blocks", self.witness_blocks, 0)
+        check_int("block_size", self.block_size, 1)
         if self.total_blocks == 0:
             raise ValueError(
                 "sink_blocks + local_blocks + witness_blocks: expected > 0, got 0 "
@@ -160,8 +98,8 @@ class TopologyScheduleConfig:
         then the remainder to witnesses: 2 blocks -> 1/1/0, 4 -> 1/2/1,
         8 -> 1/4/3, 16 -> 1/8/7. The expansion never exceeds ``token_budget``.
         """
-        _check_int("block_size", block_size, 1)
-        _check_int("token_budget", token_budget, 1)
+        check_int("block_size", block_size, 1)
+        check_int("token_budget", token_budget, 1)
         n_blocks = token_budget // block_size
         if n_blocks == 0:
             raise ValueError(
@@ -172,142 +110,6 @@ class TopologyScheduleConfig:
         local = (n_blocks - sink + 1) // 2
         witness = n_blocks - sink - local
         return cls(sink_blocks=sink, local_blocks=local, witness_blocks=witness, block_size=block_size)
-
-
-# ----------------------------------------------------------------------------------------
-# Validation helpers (public entry points only: they may look at values and sync).
-# ----------------------------------------------------------------------------------------
-
-
-def _check_tensor(name: str, value, *, ndims, dtypes) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: expected torch.Tensor, got {type(value).__name__}")
-    if value.dim() not in ndims:
-        raise ValueError(f"{name}: expected rank in {tuple(ndims)}, got shape {tuple(value.shape)}")
-    if value.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name}: expected dtype in [{names}], got {value.dtype}")
-
-
-def _check_lengths(lengths, *, rows: Optional[int] = None, max_length: Optional[int] = None) -> None:
-    _check_tensor("lengths", lengths, ndims=(1,), dtypes=_INT_DTYPES)
-    if rows is not None and lengths.shape[0] != rows:
-        raise ValueError(f"lengths: expected shape ({rows},), got {tuple(lengths.shape)}")
-    if lengths.numel():
-        low = int(lengths.min())
-        if low <= 0:
-            raise ValueError(f"lengths: expected every length > 0, got min {low}")
-        if max_length is not None and int(lengths.max()) > max_length:
-            raise ValueError(
-                f"lengths: expected every length <= {max_length} (the key length), "
-                f"got max {int(lengths.max())}"
-            )
-
-
-# ----------------------------------------------------------------------------------------
-# Centroids and drift.
-# ----------------------------------------------------------------------------------------
-
-
-def _check_block_keys(keys, block_size, lengths) -> None:
-    """Validation shared by the per-block key tables (centroids, min/max bounds)."""
-    _check_int("block_size", block_size, 1)
-    _check_tensor("keys", keys, ndims=(3, 4), dtypes=_FLOAT_DTYPES)
-    if keys.shape[-3] == 0:
-        raise ValueError(f"keys: expected L > 0 tokens, got shape {tuple(keys.shape)}")
-    if lengths is not None:
-        if keys.dim() != 4:
-            raise ValueError("lengths: only valid with batched keys [B, L, H, D]")
-        _check_lengths(lengths, rows=keys.shape[0], max_length=keys.shape[1])
-
-
-def block_key_centroids(
-    keys: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, lengths: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """Mean key of every block of ``block_size`` tokens.
-
-    Parameters
-    ----------
-    keys : Tensor ``[L, H, D]`` or ``[B, L, H, D]``, float16/bfloat16/float32/float64
-        Token-major keys (like a paged cache).
-    block_size : int > 0
-    lengths : optional int Tensor ``[B]`` (batched input only)
-        Valid tokens per request; tokens at or past a length are ignored. Default: all L.
-
-    Returns
-    -------
-    Tensor ``[N, H, D]`` or ``[B, N, H, D]``, float32 (float64 for float64 input),
-    ``N = ceil(L / block_size)``. Accumulation is in fp32 for 16-bit input. The
-    partial last block is the mean of its valid tokens; a block with no valid
-    token is all zeros.
-    """
-    _check_block_keys(keys, block_size, lengths)
-    return block_key_centroids_unchecked(keys, block_size, lengths)
-
-
-def block_key_centroids_unchecked(
-    keys: torch.Tensor, block_size: int, lengths: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """:func:`block_key_centroids` without validation (no host sync)."""
-    acc_dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32
-    squeeze = keys.dim() == 3
-    k = keys.unsqueeze(0) if squeeze else keys  # [B, L, H, D]
-    B, L, H, D = k.shape
-    N = (L + block_size - 1) // block_size
-    pad = N * block_size - L
-    kf = k.to(acc_dtype)
-    if lengths is not None:
-        token = torch.arange(L, device=k.device)
-        valid = token.unsqueeze(0) < lengths.to(k.device).unsqueeze(1)  # [B, L]
-        kf = kf * valid.unsqueeze(-1).unsqueeze(-1).to(acc_dtype)
-        counts = valid.to(acc_dtype)
-    else:
-        counts = torch.ones(B, L, dtype=acc_dtype, device=k.device)
-    if pad:
-        kf = torch.nn.functional.pad(kf, (0, 0, 0, 0, 0, pad))  # [B, N*bs, H, D]
-        counts = torch.nn.functional.pad(counts, (0, pad))
-    sums = kf.view(B, N, block_size, H, D).sum(dim=2)  # [B, N, H, D]
-    n = counts.view(B, N, block_size).sum(dim=2)  # [B, N]
-    centroids = sums / n.clamp(min=1).unsqueeze(-1).unsqueeze(-1)
-    return centroids.squeeze(0) if squeeze else centroids
-
-
-def block_drift_scores(centroids: torch.Tensor, metric: Union[DriftMetric, str] = DriftMetric.L2) -> torch.Tensor:
-    """Drift of every block's centroid from the previous block's centroid.
-
-    Parameters
-    ----------
-    centroids : float Tensor ``[N, H, D]`` or ``[B, N, H, D]`` (from :func:`block_key_centroids`)
-    metric : DriftMetric or its name
-
-    Returns
-    -------
-    float32 (float64 for float64 input) Tensor ``[N]`` or ``[B, N]``; block 0 scores 0.
-    L2: ``||c[b] - c[b-1]||``; COSINE: ``1 - cos(c[b], c[b-1])`` (0 if either is zero).
-    """
-    metric = DriftMetric.parse(metric)
-    _check_tensor("centroids", centroids, ndims=(3, 4), dtypes=_FLOAT_DTYPES)
-    return block_drift_scores_unchecked(centroids, metric)
-
-
-def block_drift_scores_unchecked(centroids: torch.Tensor, metric: DriftMetric = DriftMetric.L2) -> torch.Tensor:
-    """:func:`block_drift_scores` without validation (no host sync)."""
-    acc_dtype = torch.float64 if centroids.dtype == torch.float64 else torch.float32
-    c = centroids.to(acc_dtype).flatten(-2)  # [..., N, H*D]
-    scores = torch.zeros(c.shape[:-1], dtype=acc_dtype, device=c.device)  # [..., N]
-    if c.shape[-2] > 1:
-        cur, prev = c[..., 1:, :], c[..., :-1, :]
-        if metric is DriftMetric.L2:
-            scores[..., 1:] = torch.linalg.vector_norm(cur - prev, dim=-1)
-        else:
-            cos = torch.nn.functional.cosine_similarity(cur, prev, dim=-1, eps=1e-12)
-            scores[..., 1:] = 1.0 - cos
-    return scores
-
-
-# ----------------------------------------------------------------------------------------
-# Schedules.
-# ----------------------------------------------------------------------------------------
 
 
 def _sort_ascending_pad_last(ids: torch.Tensor) -> torch.Tensor:
@@ -432,7 +234,7 @@ def build_block_schedule(
     """
     if not isinstance(config, TopologyScheduleConfig):
         raise TypeError(f"config: expected TopologyScheduleConfig, got {type(config).__name__}")
-    _check_lengths(lengths)
+    check_lengths(lengths)
     scores = _check_drift(drift_scores, lengths, config.block_size)
     blocks = prioritized_block_schedule_unchecked(
         lengths, config.sink_blocks, config.local_blocks, config.witness_blocks, config.block_size, scores
@@ -443,7 +245,7 @@ def build_block_schedule(
 def _check_drift(drift_scores, lengths, block_size) -> Optional[torch.Tensor]:
     if drift_scores is None:
         return None
-    _check_tensor("drift_scores", drift_scores, ndims=(1, 2), dtypes=_FLOAT_DTYPES)
+    check_tensor("drift_scores", drift_scores, ndims=(1, 2), dtypes=FLOAT_DTYPES)
     B = lengths.shape[0]
     if drift_scores.dim() == 1:
         drift_scores = drift_scores.unsqueeze(0).expand(B, -1)
@@ -502,9 +304,9 @@ def expand_block_schedule(block_ids: torch.Tensor, lengths: torch.Tensor, block_
     int64 Tensor ``[B, S * block_size]``: ascending, unique token indices of the row's
     blocks that are ``< lengths[b]``, then ``-1``.
     """
-    _check_int("block_size", block_size, 1)
-    _check_tensor("block_ids", block_ids, ndims=(2,), dtypes=_INT_DTYPES)
-    _check_lengths(lengths, rows=block_ids.shape[0])
+    check_int("block_size", block_size, 1)
+    check_tensor("block_ids", block_ids, ndims=(2,), dtypes=INDEX_DTYPES)
+    check_lengths(lengths, rows=block_ids.shape[0])
     return compact_valid_first(expand_blocks_unchecked(block_ids, lengths, block_size))
 
 
@@ -517,217 +319,3 @@ def build_topology_token_indices(
     """
     blocks = build_block_schedule(lengths, config, drift_scores)
     return compact_valid_first(expand_blocks_unchecked(blocks, lengths, config.block_size))
-
-
-def query_centroid_scores(query: torch.Tensor, key_centroids: torch.Tensor) -> torch.Tensor:
-    """Witness scores ``sum_h relu(q[r, h] . c[r, b, g(h)])`` (:attr:`WitnessSignal.QUERY_CENTROID`).
-
-    Parameters
-    ----------
-    query : float ``[R, H, D]`` each row's query heads (post-RoPE)
-    key_centroids : float ``[R, N, Hkv, D]`` (per row) or ``[N, Hkv, D]`` (shared), from
-        :func:`block_key_centroids`; ``H`` must be a multiple of ``Hkv`` (GQA: query head
-        ``h`` reads KV head ``h // (H / Hkv)``)
-
-    Returns
-    -------
-    float32 ``[R, N]``. Blocks past a row's causal length are not masked here (the
-    schedule ignores them). Cost ``R * N * H * D`` multiply-adds: the indexer's form at
-    block granularity, ``block_size`` times cheaper than scanning every key.
-    """
-    _check_query_tables(query, {"key_centroids": key_centroids}, None, 1, None)
-    return query_centroid_scores_unchecked(query, key_centroids)
-
-
-def query_centroid_scores_unchecked(query: torch.Tensor, key_centroids: torch.Tensor) -> torch.Tensor:
-    """:func:`query_centroid_scores` without validation (no host sync)."""
-    R, H, D = query.shape
-    Hkv = key_centroids.shape[-2]
-    q = query.to(torch.float32).view(R, Hkv, H // Hkv, D)  # [R, Hkv, G, D]
-    dots = _query_block_dot(q, key_centroids.to(torch.float32))  # [R, Hkv, G, N]
-    return torch.relu(dots).sum(dim=(1, 2))  # [R, N]
-
-
-def block_key_bounds(
-    keys: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, lengths: Optional[torch.Tensor] = None
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel minimum and maximum key of every block of ``block_size`` tokens.
-
-    Parameters
-    ----------
-    keys : Tensor ``[L, H, D]`` or ``[B, L, H, D]``, float16/bfloat16/float32/float64
-    block_size : int > 0
-    lengths : optional int Tensor ``[B]`` (batched input only): tokens at or past a
-        length are ignored
-
-    Returns
-    -------
-    ``(key_min, key_max)``, each ``[N, H, D]`` or ``[B, N, H, D]``, float32 (float64 for
-    float64 input), ``N = ceil(L / block_size)``. A block with no valid token is all zeros
-    in both (its bound is then 0, like an empty centroid's dot product).
-    """
-    _check_block_keys(keys, block_size, lengths)
-    return block_key_bounds_unchecked(keys, block_size, lengths)
-
-
-def block_key_bounds_unchecked(
-    keys: torch.Tensor, block_size: int, lengths: Optional[torch.Tensor] = None
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`block_key_bounds` without validation (no host sync)."""
-    acc_dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32
-    squeeze = keys.dim() == 3
-    k = (keys.unsqueeze(0) if squeeze else keys).to(acc_dtype)  # [B, L, H, D]
-    B, L, H, D = k.shape
-    N = (L + block_size - 1) // block_size
-    valid = torch.arange(N * block_size, device=k.device).unsqueeze(0) < (
-        torch.full((B, 1), L, device=k.device) if lengths is None else lengths.to(k.device).unsqueeze(1)
-    )  # [B, N*bs]; the padding past L is invalid too
-    pad = N * block_size - L
-    if pad:
-        k = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad))
-    mask = valid.view(B, N, block_size, 1, 1)
-    blocks = k.view(B, N, block_size, H, D)
-    kmin = torch.where(mask, blocks, float("inf")).amin(dim=2)  # [B, N, H, D]
-    kmax = torch.where(mask, blocks, float("-inf")).amax(dim=2)
-    empty = ~valid.view(B, N, block_size).any(dim=2)  # [B, N]
-    kmin = torch.where(empty[..., None, None], 0.0, kmin)
-    kmax = torch.where(empty[..., None, None], 0.0, kmax)
-    return (kmin.squeeze(0), kmax.squeeze(0)) if squeeze else (kmin, kmax)
-
-
-def _check_query_tables(query: torch.Tensor, tables, lengths, block_size, scale) -> None:
-    """Validation shared by the query-aware witness signals (``tables``: name -> tensor)."""
-    _check_tensor("query", query, ndims=(3,), dtypes=_FLOAT_DTYPES)
-    _check_int("block_size", block_size, 1)
-    R, H, D = query.shape
-    first_name, first = next(iter(tables.items()))
-    for name, table in tables.items():
-        _check_tensor(name, table, ndims=(3, 4), dtypes=_FLOAT_DTYPES)
-        if table.shape != first.shape:
-            raise ValueError(
-                f"{name}: expected the shape of {first_name} {tuple(first.shape)}, got {tuple(table.shape)}"
-            )
-    Hkv = first.shape[-2]
-    if first.shape[-1] != D or H % Hkv:
-        raise ValueError(
-            f"{first_name}: expected [..., Hkv, {D}] with Hkv dividing {H} query heads, got shape {tuple(first.shape)}"
-        )
-    if first.dim() == 4 and first.shape[0] != R:
-        raise ValueError(f"{first_name}: expected {R} rows, got shape {tuple(first.shape)}")
-    if lengths is not None:
-        _check_lengths(lengths, rows=R)
-    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0):
-        raise ValueError(f"scale: expected a positive number or None, got {scale!r}")
-
-
-def _query_block_dot(q: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """``q [R, Hkv, G, D]`` against ``table`` ``[N, Hkv, D]`` or ``[R, N, Hkv, D]`` -> ``[R, Hkv, G, N]``."""
-    if table.dim() == 3:
-        return torch.einsum("rkgd,nkd->rkgn", q, table)
-    return torch.einsum("rkgd,rnkd->rkgn", q, table)
-
-
-def _softmax_block_mass(logits: torch.Tensor, lengths, block_size: int, scale: float) -> torch.Tensor:
-    """``sum_h softmax_b(scale * logits)`` over each row's eligible blocks -> float32 ``[R, N]``."""
-    u = logits * scale  # [R, Hkv, G, N]
-    if lengths is not None:
-        N = u.shape[-1]
-        n_blocks = (lengths.to(torch.int64) + block_size - 1) // block_size  # [R]
-        eligible = torch.arange(N, device=u.device).unsqueeze(0) < n_blocks.to(u.device).unsqueeze(1)  # [R, N]
-        u = u.masked_fill(~eligible[:, None, None, :], float("-inf"))
-    return torch.softmax(u, dim=-1).sum(dim=(1, 2))
-
-
-def query_mass_scores(
-    query: torch.Tensor,
-    key_centroids: torch.Tensor,
-    lengths: Optional[torch.Tensor] = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    scale: Optional[float] = None,
-) -> torch.Tensor:
-    """Witness scores of :attr:`WitnessSignal.QUERY_MASS`: estimated attention mass per block.
-
-    ``score[r, b] = sum_h softmax_b(scale * q[r, h] . c[b, g(h)])`` over the row's eligible
-    blocks (those holding a token ``< lengths[r]``; every block when ``lengths`` is None);
-    ineligible blocks score 0 and each row sums to ``H`` (every head contributes mass 1).
-
-    Parameters
-    ----------
-    query : float ``[R, H, D]`` each row's query heads (post-RoPE)
-    key_centroids : float ``[N, Hkv, D]`` (shared) or ``[R, N, Hkv, D]`` (per row), from
-        :func:`block_key_centroids`; ``H`` a multiple of ``Hkv`` (head ``h`` reads KV head
-        ``h // (H / Hkv)``)
-    lengths : optional int ``[R]`` causal lengths (> 0)
-    block_size : tokens per block (only used with ``lengths``)
-    scale : softmax scale; default ``D ** -0.5``
-
-    Returns
-    -------
-    float32 ``[R, N]``. Cost ``R N H D`` multiply-adds plus a softmax over ``[R, H, N]``.
-    """
-    _check_query_tables(query, {"key_centroids": key_centroids}, lengths, block_size, scale)
-    return query_mass_scores_unchecked(query, key_centroids, lengths, block_size, scale)
-
-
-def query_mass_scores_unchecked(
-    query: torch.Tensor,
-    key_centroids: torch.Tensor,
-    lengths: Optional[torch.Tensor] = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    scale: Optional[float] = None,
-) -> torch.Tensor:
-    """:func:`query_mass_scores` without validation (no host sync)."""
-    R, H, D = query.shape
-    Hkv = key_centroids.shape[-2]
-    q = query.to(torch.float32).view(R, Hkv, H // Hkv, D)  # [R, Hkv, G, D]
-    logits = _query_block_dot(q, key_centroids.to(torch.float32))
-    return _softmax_block_mass(logits, lengths, block_size, D ** -0.5 if scale is None else scale)
-
-
-def query_bound_scores(
-    query: torch.Tensor,
-    key_min: torch.Tensor,
-    key_max: torch.Tensor,
-    lengths: Optional[torch.Tensor] = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    scale: Optional[float] = None,
-) -> torch.Tensor:
-    """Witness scores of :attr:`WitnessSignal.QUERY_BOUND`: :func:`query_mass_scores` with a bound.
-
-    For row ``r``, head ``h`` (KV head ``g(h)``) and block ``b``:
-    ``u = sum_d max(q_d kmin[b, g, d], q_d kmax[b, g, d])`` bounds ``q . k`` for every key
-    of the block from above; ``score[r, b] = sum_h softmax_b(scale * u)`` over the row's
-    eligible blocks, ineligible blocks 0, rows summing to ``H``.
-
-    Parameters
-    ----------
-    query : float ``[R, H, D]``
-    key_min, key_max : float ``[N, Hkv, D]`` (shared) or ``[R, N, Hkv, D]`` (per row), from
-        :func:`block_key_bounds`
-    lengths, block_size, scale : as in :func:`query_mass_scores`
-
-    Returns
-    -------
-    float32 ``[R, N]``. Cost ``2 R N H D`` multiply-adds plus a softmax over ``[R, H, N]``.
-    """
-    _check_query_tables(query, {"key_min": key_min, "key_max": key_max}, lengths, block_size, scale)
-    return query_bound_scores_unchecked(query, key_min, key_max, lengths, block_size, scale)
-
-
-def query_bound_scores_unchecked(
-    query: torch.Tensor,
-    key_min: torch.Tensor,
-    key_max: torch.Tensor,
-    lengths: Optional[torch.Tensor] = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    scale: Optional[float] = None,
-) -> torch.Tensor:
-    """:func:`query_bound_scores` without validation (no host sync)."""
-    R, H, D = query.shape
-    Hkv = key_min.shape[-2]
-    q = query.to(torch.float32).view(R, Hkv, H // Hkv, D)  # [R, Hkv, G, D]
-    # max(q kmin, q kmax) = q+ kmax - q- kmin, summed over d.
-    logits = _query_block_dot(torch.relu(q), key_max.to(torch.float32)) - _query_block_dot(
-        torch.relu(-q), key_min.to(torch.float32)
-    )
-    return _softmax_block_mass(logits, lengths, block_size, D ** -0.5 if scale is None else scale)

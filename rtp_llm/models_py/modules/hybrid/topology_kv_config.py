@@ -1,0 +1,333 @@
+"""Configuration of the topology KV policy: modes, the policy config, serving settings.
+
+Everything here is read and validated once, at construction (``__post_init__`` or
+:meth:`IndexerTopologySettings.from_env`), with errors that name the setting, the bad
+value and the valid ones. Option names are parsed in one place
+(:func:`parse_enum_member`): case-insensitive, surrounding blanks ignored.
+
+Serving reads these environment variables once, when the ``Indexer`` is built (unset or
+blank means the default):
+
+=========================================== ============================ ==================
+variable                                    valid values                 default
+=========================================== ============================ ==================
+``RTP_LLM_TOPOLOGY_KV_POLICY``              disabled, topology_sparse_   disabled
+                                            merge, topology_compress_
+                                            sparse, topology_only
+``RTP_LLM_TOPOLOGY_KV_SINK_BLOCKS``         integer >= 0                 1
+``RTP_LLM_TOPOLOGY_KV_LOCAL_BLOCKS``        integer >= 0                 2
+``RTP_LLM_TOPOLOGY_KV_WITNESS_BLOCKS``      integer >= 0                 2
+``RTP_LLM_TOPOLOGY_KV_MAX_STRUCTURAL_       float in (0, 1]              0.25
+FRACTION``
+``RTP_LLM_TOPOLOGY_KV_MISMATCH_ACTION``     raise, fallback_disabled     fallback_disabled
+``RTP_LLM_TOPOLOGY_KV_PATHS``               comma list of decode,        all
+                                            prefill, cp; or all
+``RTP_LLM_TOPOLOGY_KV_SINK_TOKENS``         integer >= 0, or "blocks"    4 (the policy config's
+                                            (whole sink blocks)          ``sink_tokens``)
+``RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET``   fixed, scaled                the policy config's
+=========================================== ============================ ==================
+
+``fallback_disabled`` is the serving default because ``raise`` reads values on the host
+(one sync per layer call), which the serving hot path must not do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+from typing import FrozenSet, Mapping, Optional, Union
+
+from rtp_llm.models_py.modules.hybrid.topology_kv_checks import check_fraction, check_int
+
+DEFAULT_BLOCK_SIZE = 64  # the engine's KV page size (tokens per block)
+
+
+def parse_enum_member(cls, value, setting: str):
+    """The one parser of option names: a member, or its value/name case-insensitively.
+
+    Unknown names raise ``ValueError`` naming ``setting`` and listing the valid values.
+    """
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower()
+        for member in cls:
+            if key in (member.value, member.name.lower()):
+                return member
+    valid = ", ".join(m.value for m in cls)
+    raise ValueError(f"{setting}: expected one of [{valid}] (case-insensitive), got {value!r}")
+
+
+class TopologyKVPolicyMode(enum.Enum):
+    """What the policy does to the learned top-k rows."""
+
+    DISABLED = "disabled"  # return the input tensor itself
+    TOPOLOGY_SPARSE_MERGE = "topology_sparse_merge"  # learned rows + structural blocks
+    TOPOLOGY_COMPRESS_SPARSE = "topology_compress_sparse"  # merge, scaffold blocks as 1 token each
+    TOPOLOGY_ONLY = "topology_only"  # structural blocks only, full budget
+
+    @classmethod
+    def parse(cls, value: Union[str, "TopologyKVPolicyMode"]) -> "TopologyKVPolicyMode":
+        """The one place a mode name is parsed: case-insensitive, surrounding blanks ignored."""
+        return parse_enum_member(cls, value, "policy")
+
+
+class CoordinateMismatchAction(enum.Enum):
+    """What to do with a learned index outside its row's ``[offset, offset + length)``."""
+
+    RAISE = "raise"  # check on the host (one sync) and raise naming row and value
+    FALLBACK_DISABLED = "fallback_disabled"  # return such rows unchanged, count them; no sync
+
+    @classmethod
+    def parse(cls, value: Union[str, "CoordinateMismatchAction"]) -> "CoordinateMismatchAction":
+        return parse_enum_member(cls, value, "coordinate_mismatch_action")
+
+
+class StructuralBudget(enum.Enum):
+    """How many structural tokens a merge mode may inject into a row of width ``W``."""
+
+    FIXED = "fixed"  # floor(W * max_structural_fraction) (the seed's rule)
+    SCALED = "scaled"  # that, times W / max(length, W): less structure as the row outgrows W
+
+    @classmethod
+    def parse(cls, value: Union[str, "StructuralBudget"]) -> "StructuralBudget":
+        return parse_enum_member(cls, value, "structural_budget")
+
+
+@dataclasses.dataclass(frozen=True)
+class TopologyKVPolicyConfig:
+    """Validated, immutable policy configuration (read once, at construction).
+
+    Attributes
+    ----------
+    policy : TopologyKVPolicyMode or its name (parsed case-insensitively)
+    sink_blocks, local_blocks, witness_blocks : int >= 0
+        Structural blocks per row (see ``topology_kv_schedule``). ``TOPOLOGY_ONLY``
+        ignores ``witness_blocks``: witnesses fill whatever budget remains.
+    block_size : int > 0
+        Tokens per block; 64 is the engine's KV page size.
+    max_structural_fraction : float in (0, 1]
+        Merge modes: at most ``floor(W * max_structural_fraction)`` structural tokens are
+        *injected* per row (structural tokens the learned row already holds are free).
+        0.25 keeps three quarters of the learned budget for the indexer.
+    coordinate_mismatch_action : CoordinateMismatchAction or its name
+    sink_tokens : int >= 0 or None
+        Token-granular sinks: the first ``sink_tokens`` tokens replace the ``sink_blocks``
+        whole blocks, and the blocks they touch are never local or witness blocks. None
+        keeps whole sink blocks (the seed's setting). Default 4: in the quality runs
+        (docs/topology_vs_learned_runs.md) 4 token sinks took ``topology_sparse_merge``
+        from +8.4% to -0.3% perplexity vs the learned indexer at W = 64 (ctx 1024), left
+        ``topology_compress_sparse`` unchanged within noise, and kept ``topology_only``
+        from spending a tight budget on one block (perplexity 464 -> 32.6 at W = 64).
+    structural_budget : StructuralBudget or its name
+        ``fixed`` (seed): ``floor(W * max_structural_fraction)`` per row; ``scaled``: that
+        cap times ``W / max(length, W)``, rounded down.
+    """
+
+    policy: TopologyKVPolicyMode = TopologyKVPolicyMode.DISABLED
+    sink_blocks: int = 1
+    local_blocks: int = 2
+    witness_blocks: int = 2
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_structural_fraction: float = 0.25
+    coordinate_mismatch_action: CoordinateMismatchAction = CoordinateMismatchAction.RAISE
+    sink_tokens: Optional[int] = 4
+    structural_budget: StructuralBudget = StructuralBudget.FIXED
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "structural_budget", StructuralBudget.parse(self.structural_budget))
+        if self.sink_tokens is not None:
+            check_int("sink_tokens", self.sink_tokens, 0)
+        object.__setattr__(self, "policy", TopologyKVPolicyMode.parse(self.policy))
+        object.__setattr__(
+            self, "coordinate_mismatch_action", CoordinateMismatchAction.parse(self.coordinate_mismatch_action)
+        )
+        check_int("sink_blocks", self.sink_blocks, 0)
+        check_int("local_blocks", self.local_blocks, 0)
+        check_int("witness_blocks", self.witness_blocks, 0)
+        check_int("block_size", self.block_size, 1)
+        check_fraction("max_structural_fraction", self.max_structural_fraction)
+        sinks = self.sink_blocks if self.sink_tokens is None else self.sink_tokens
+        if self.enabled and sinks + self.local_blocks + self.witness_blocks == 0:
+            if self.policy is not TopologyKVPolicyMode.TOPOLOGY_ONLY:
+                raise ValueError(
+                    "sink_blocks (or sink_tokens) + local_blocks + witness_blocks: expected > 0 for "
+                    f"{self.policy.value}, got 0 (the policy would inject nothing)"
+                )
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy is not TopologyKVPolicyMode.DISABLED
+
+    def structural_cap(self, width: int) -> int:
+        """Most structural tokens a merge mode injects into a row of width ``width``."""
+        return int(math.floor(width * self.max_structural_fraction))
+
+
+ENV_POLICY = "RTP_LLM_TOPOLOGY_KV_POLICY"
+ENV_SINK_BLOCKS = "RTP_LLM_TOPOLOGY_KV_SINK_BLOCKS"
+ENV_LOCAL_BLOCKS = "RTP_LLM_TOPOLOGY_KV_LOCAL_BLOCKS"
+ENV_WITNESS_BLOCKS = "RTP_LLM_TOPOLOGY_KV_WITNESS_BLOCKS"
+ENV_MAX_STRUCTURAL_FRACTION = "RTP_LLM_TOPOLOGY_KV_MAX_STRUCTURAL_FRACTION"
+ENV_MISMATCH_ACTION = "RTP_LLM_TOPOLOGY_KV_MISMATCH_ACTION"
+ENV_PATHS = "RTP_LLM_TOPOLOGY_KV_PATHS"
+ENV_SINK_TOKENS = "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS"
+ENV_STRUCTURAL_BUDGET = "RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET"
+
+
+class IndexerPath(enum.Enum):
+    """The three top-k paths of :meth:`Indexer._compute_topk`."""
+
+    DECODE = "decode"  # _get_topk_paged
+    PREFILL = "prefill"  # _get_topk_ragged
+    CP = "cp"  # _get_topk_ragged_cp
+
+
+ALL_PATHS: FrozenSet[IndexerPath] = frozenset(IndexerPath)
+
+
+def _default_policy() -> TopologyKVPolicyConfig:
+    return TopologyKVPolicyConfig(coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED)
+
+
+def _env_value(environ: Mapping[str, str], name: str) -> Optional[str]:
+    raw = environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    return raw
+
+
+def _env_count(environ: Mapping[str, str], name: str, default: Optional[int]) -> Optional[int]:
+    raw = _env_value(environ, name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip(), 10)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a non-negative integer, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r}: expected a non-negative integer, got {value}")
+    return value
+
+
+def _env_fraction(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = _env_value(environ, name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number in (0, 1], got {raw!r}") from None
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise ValueError(f"{name}={raw!r}: expected a number in (0, 1], got {value}")
+    return value
+
+
+def _env_enum(environ: Mapping[str, str], name: str, cls, default):
+    raw = _env_value(environ, name)
+    if raw is None:
+        return default
+    try:
+        return cls.parse(raw)
+    except ValueError:
+        valid = ", ".join(m.value for m in cls)
+        raise ValueError(f"{name}={raw!r}: expected one of [{valid}] (case-insensitive), got {raw!r}") from None
+
+
+def _env_paths(environ: Mapping[str, str], name: str) -> FrozenSet[IndexerPath]:
+    raw = _env_value(environ, name)
+    if raw is None:
+        return ALL_PATHS
+    valid = ", ".join(p.value for p in IndexerPath)
+    paths = set()
+    for item in raw.split(","):
+        key = item.strip().lower()
+        if key == "all":
+            paths.update(IndexerPath)
+            continue
+        match = [p for p in IndexerPath if key == p.value]
+        if not match:
+            raise ValueError(
+                f"{name}={raw!r}: expected a comma-separated list of [{valid}] or 'all', "
+                f"got unknown path {item.strip()!r}"
+            )
+        paths.add(match[0])
+    return frozenset(paths)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerTopologySettings:
+    """What the indexer's policy hook does; immutable, validated once.
+
+    Attributes
+    ----------
+    policy : TopologyKVPolicyConfig
+        Mode, block counts, structural fraction, mismatch action. Its ``block_size`` is
+        the drift block (the KV page, 64 tokens).
+    paths : frozenset of IndexerPath
+        Paths the policy runs on when enabled; the others return the op's rows unchanged.
+    """
+
+    policy: TopologyKVPolicyConfig = dataclasses.field(default_factory=_default_policy)
+    paths: FrozenSet[IndexerPath] = ALL_PATHS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, TopologyKVPolicyConfig):
+            raise TypeError(f"policy: expected TopologyKVPolicyConfig, got {type(self.policy).__name__}")
+        paths = frozenset(self.paths)
+        for p in paths:
+            if not isinstance(p, IndexerPath):
+                raise TypeError(f"paths: expected IndexerPath members, got {p!r}")
+        object.__setattr__(self, "paths", paths)
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy.enabled
+
+    def applies_to(self, path: IndexerPath) -> bool:
+        return self.enabled and path in self.paths
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] = os.environ, *, block_size: int = DEFAULT_BLOCK_SIZE
+    ) -> "IndexerTopologySettings":
+        """Read the ``RTP_LLM_TOPOLOGY_KV_*`` variables (module docstring); ``ValueError``
+        naming the variable and its value on anything invalid."""
+        mode = _env_enum(environ, ENV_POLICY, TopologyKVPolicyMode, TopologyKVPolicyMode.DISABLED)
+        sink = _env_count(environ, ENV_SINK_BLOCKS, 1)
+        local = _env_count(environ, ENV_LOCAL_BLOCKS, 2)
+        witness = _env_count(environ, ENV_WITNESS_BLOCKS, 2)
+        fraction = _env_fraction(environ, ENV_MAX_STRUCTURAL_FRACTION, 0.25)
+        action = _env_enum(
+            environ, ENV_MISMATCH_ACTION, CoordinateMismatchAction, CoordinateMismatchAction.FALLBACK_DISABLED
+        )
+        paths = _env_paths(environ, ENV_PATHS)
+        defaults = TopologyKVPolicyConfig()
+        raw_sink_tokens = _env_value(environ, ENV_SINK_TOKENS)
+        if raw_sink_tokens is not None and raw_sink_tokens.strip().lower() == "blocks":
+            sink_tokens = None
+        else:
+            sink_tokens = _env_count(environ, ENV_SINK_TOKENS, defaults.sink_tokens)
+        budget = _env_enum(environ, ENV_STRUCTURAL_BUDGET, StructuralBudget, defaults.structural_budget)
+        try:
+            policy = TopologyKVPolicyConfig(
+                policy=mode,
+                sink_blocks=sink,
+                local_blocks=local,
+                witness_blocks=witness,
+                block_size=block_size,
+                max_structural_fraction=fraction,
+                coordinate_mismatch_action=action,
+                sink_tokens=sink_tokens,
+                structural_budget=budget,
+            )
+        except ValueError as err:
+            raise ValueError(
+                f"{ENV_POLICY}={mode.value!r} with {ENV_SINK_BLOCKS}={sink}, {ENV_SINK_TOKENS}="
+                f"{'blocks' if sink_tokens is None else sink_tokens}, {ENV_LOCAL_BLOCKS}={local}, "
+                f"{ENV_WITNESS_BLOCKS}={witness}: {err}"
+            ) from None
+        return cls(policy=policy, paths=paths)
+
