@@ -6,8 +6,6 @@ CUDA in ``..._cuda_manual`` when ``TOPOLOGY_KV_TEST_DEVICE=cuda``.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,21 +13,18 @@ from hypothesis import strategies as st
 
 from benchmark import topology_kv_reference as ref
 from rtp_llm.models_py.modules.hybrid.topology_kv_drift import (
+    DriftMetric,
     block_drift_scores,
     block_key_centroids,
-    DriftMetric,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
+    TopologyScheduleConfig,
     build_block_schedule,
     build_topology_token_indices,
     expand_block_schedule,
     prioritized_block_schedule_unchecked,
-    TopologyScheduleConfig,
 )
-
-DEVICE = torch.device(os.environ.get("TOPOLOGY_KV_TEST_DEVICE", "cpu"))
-if DEVICE.type == "cuda" and not torch.cuda.is_available():
-    pytest.skip("TOPOLOGY_KV_TEST_DEVICE=cuda but no CUDA device", allow_module_level=True)
+from tools.device_under_test import DEVICE
 
 # Lengths that land on partly filled 64-token pages: 1 (one token), 63/64/65 (around
 # one page), 2047/2049 (around the engine's top-k width 2048).

@@ -98,13 +98,13 @@ import torch.nn.functional as F
 
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import DEFAULT_BLOCK_SIZE
 from rtp_llm.models_py.modules.hybrid.topology_kv_drift import (
+    DriftMetric,
     block_drift_scores,
     block_key_centroids,
-    DriftMetric,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
-    build_topology_token_indices,
     TopologyScheduleConfig,
+    build_topology_token_indices,
 )
 
 # The first eight are the contract of the issue (order matters to the consumers of the

@@ -44,7 +44,10 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import torch
 
 from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import fp8_e4m3_round_trip, topk_from_window_scores
-from rtp_llm.models_py.modules.hybrid.topology_kv_config import CoordinateMismatchAction, TopologyKVPolicyConfig
+from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
+    CoordinateMismatchAction,
+    TopologyKVPolicyConfig,
+)
 from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import apply_topology_kv_policy
 

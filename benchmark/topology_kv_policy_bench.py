@@ -34,17 +34,17 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import torch
 
 from benchmark import topology_kv_reference as ref
-from rtp_llm.models_py.modules.hybrid.topology_kv_witness import (
-    query_bound_scores_unchecked,
-    query_centroid_scores_unchecked,
-    query_mass_scores_unchecked,
-)
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     CoordinateMismatchAction,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import apply_topology_kv_policy
+from rtp_llm.models_py.modules.hybrid.topology_kv_witness import (
+    query_bound_scores_unchecked,
+    query_centroid_scores_unchecked,
+    query_mass_scores_unchecked,
+)
 
 ENABLED_MODES = [m.value for m in TopologyKVPolicyMode if m is not TopologyKVPolicyMode.DISABLED]
 COLUMNS = [

@@ -25,13 +25,13 @@ elif [ "$rc" -ne 0 ]; then
   status=1
 fi
 
-echo "[test] pytest benchmark/  (plain venv, no Bazel)"
+echo "[test] pytest benchmark/ rtp_llm/  (plain venv, no Bazel)"
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider benchmark/
+.venv/bin/python -m pytest -q -p no:cacheprovider benchmark/ rtp_llm/
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
-  echo "[test] FAILED: pytest collected no tests in benchmark/ (exit 5); there must be tests" >&2
+  echo "[test] FAILED: pytest collected no tests in benchmark/ rtp_llm/ (exit 5); there must be tests" >&2
   status=1
 elif [ "$rc" -ne 0 ]; then
   echo "[test] FAILED: pytest exited $rc" >&2

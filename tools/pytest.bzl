@@ -11,7 +11,10 @@
 Only srcs named test_*.py or *_test.py are handed to pytest (all srcs if none is); put
 helpers in a py_library and list it in deps. `args` are extra pytest arguments, and so is
 `bazel test --test_arg=...` (e.g. --test_arg=-k --test_arg=decode).
-GPU variants: a separate target named <name>_cuda_manual with tags = ["manual", "H20"].
+GPU variants: `cpu_and_cuda_pytest` below makes the CPU target and its `<base>_cuda_manual`
+twin, which runs the same files with TOPOLOGY_KV_TEST_DEVICE=cuda (tools/device_under_test.py),
+tagged `manual` (so `bazel test //...` skips it) and with the GPU name, as RTP-LLM tags its
+GPU tests.
 """
 
 _RUNNER = "//tools:pytest_runner.py"
@@ -38,4 +41,19 @@ def py_pytest_test(name, srcs, deps = [], data = [], tags = [], size = "medium",
         python_version = "PY3",
         srcs_version = "PY3",
         **kwargs
+    )
+
+def cpu_and_cuda_pytest(name, cuda_name, srcs, deps = [], data = [], size = "medium", gpu = "H20"):
+    """`py_pytest_test` on the CPU plus its `cuda_name` twin (manual, GPU-tagged)."""
+    deps = deps + ["//tools:device_under_test"]
+    srcs = srcs + native.glob(["conftest.py"])  # the calling package's shared fixtures
+    py_pytest_test(name = name, srcs = srcs, deps = deps, data = data, size = size)
+    py_pytest_test(
+        name = cuda_name,
+        srcs = srcs,
+        deps = deps,
+        data = data,
+        size = size,
+        env = {"TOPOLOGY_KV_TEST_DEVICE": "cuda"},
+        tags = ["manual", gpu],
     )

@@ -48,7 +48,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     TopologyKVPolicyMode,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
-from rtp_llm.models_py.modules.hybrid.topology_kv_policy import apply_topology_kv_policy, TopologyKVCounters
+from rtp_llm.models_py.modules.hybrid.topology_kv_policy import TopologyKVCounters, apply_topology_kv_policy
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Optional, Union
 
 import torch
 
-from rtp_llm.models_py.modules.hybrid.topology_kv_checks import check_block_keys, check_tensor, FLOAT_DTYPES
+from rtp_llm.models_py.modules.hybrid.topology_kv_checks import FLOAT_DTYPES, check_block_keys, check_tensor
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import DEFAULT_BLOCK_SIZE, parse_enum_member
 
 

@@ -34,11 +34,11 @@ from typing import Optional
 import torch
 
 from rtp_llm.models_py.modules.hybrid.topology_kv_checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
     check_int,
     check_lengths,
     check_tensor,
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import DEFAULT_BLOCK_SIZE
 

@@ -19,11 +19,11 @@ from typing import Optional, Tuple, Union
 import torch
 
 from rtp_llm.models_py.modules.hybrid.topology_kv_checks import (
+    FLOAT_DTYPES,
     check_block_keys,
     check_int,
     check_lengths,
     check_tensor,
-    FLOAT_DTYPES,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import DEFAULT_BLOCK_SIZE, parse_enum_member
 

@@ -18,20 +18,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmark import indexer_reference as ref
 from rtp_llm.models_py.modules.hybrid.indexer import Indexer
 from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerKeyCache
-from rtp_llm.models_py.modules.hybrid.topology_kv_config import IndexerTopologySettings
-from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
+from rtp_llm.models_py.modules.hybrid.test import indexer_ref as ref
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     CoordinateMismatchAction,
+    IndexerTopologySettings,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
 )
-
-DEVICE = torch.device(os.environ.get("TOPOLOGY_KV_TEST_DEVICE", "cpu"))
-if DEVICE.type == "cuda" and not torch.cuda.is_available():
-    pytest.skip("TOPOLOGY_KV_TEST_DEVICE=cuda but no CUDA device", allow_module_level=True)
+from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
+from tools.device_under_test import DEVICE
 
 CP_SIZE = 2
 PAGE, HEADS, DIM, WIDTH = 64, 4, 32, 2048

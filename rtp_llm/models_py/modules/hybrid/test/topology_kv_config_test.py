@@ -1,0 +1,134 @@
+"""Serving settings from the RTP_LLM_TOPOLOGY_KV_* environment: defaults, parsing, errors.
+"""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+
+from rtp_llm.models_py.modules.hybrid.indexer import Indexer
+from rtp_llm.models_py.modules.hybrid.test.indexer_cases import (
+    DIM,
+    HEADS,
+    MERGE,
+    ONLY,
+    PAGE,
+)
+from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
+    ALL_PATHS,
+    ENV_LOCAL_BLOCKS,
+    ENV_MAX_STRUCTURAL_FRACTION,
+    ENV_MISMATCH_ACTION,
+    ENV_PATHS,
+    ENV_POLICY,
+    ENV_SINK_BLOCKS,
+    ENV_SINK_TOKENS,
+    ENV_WITNESS_BLOCKS,
+    CoordinateMismatchAction,
+    IndexerPath,
+    IndexerTopologySettings,
+    TopologyKVPolicyMode,
+)
+
+# ------------------------------------------------------------------ settings from the environment
+
+
+def test_env_defaults():
+    s = IndexerTopologySettings.from_env({})
+    assert s.policy.policy is TopologyKVPolicyMode.DISABLED and not s.enabled
+    assert (s.policy.sink_blocks, s.policy.local_blocks, s.policy.witness_blocks) == (1, 2, 2)
+    assert s.policy.max_structural_fraction == 0.25 and s.policy.block_size == PAGE
+    assert s.policy.coordinate_mismatch_action is CoordinateMismatchAction.FALLBACK_DISABLED
+    assert s.paths == ALL_PATHS
+    blank = {name: "  " for name in (ENV_POLICY, ENV_SINK_BLOCKS, ENV_PATHS, ENV_MAX_STRUCTURAL_FRACTION)}
+    assert IndexerTopologySettings.from_env(blank) == s  # blank = unset
+
+
+def test_env_all_variables_parsed_case_insensitively():
+    env = {
+        ENV_POLICY: " Topology_Only ",
+        ENV_SINK_BLOCKS: "3",
+        ENV_LOCAL_BLOCKS: "0",
+        ENV_WITNESS_BLOCKS: "5",
+        ENV_MAX_STRUCTURAL_FRACTION: "1",
+        ENV_MISMATCH_ACTION: "RAISE",
+        ENV_PATHS: " Decode , CP ",
+    }
+    s = IndexerTopologySettings.from_env(env, block_size=32)
+    assert s.policy.policy is ONLY
+    assert (s.policy.sink_blocks, s.policy.local_blocks, s.policy.witness_blocks, s.policy.block_size) == (3, 0, 5, 32)
+    assert s.policy.max_structural_fraction == 1.0
+    assert s.policy.coordinate_mismatch_action is CoordinateMismatchAction.RAISE
+    assert s.paths == {IndexerPath.DECODE, IndexerPath.CP}
+    assert IndexerTopologySettings.from_env({ENV_PATHS: "all"}).paths == ALL_PATHS
+
+
+# (variable, bad value): every variable, every kind of bad value.
+BAD_ENV = [
+    (ENV_POLICY, "merge"),  # unknown mode
+    (ENV_POLICY, "on"),
+    (ENV_SINK_BLOCKS, "one"),  # not an integer
+    (ENV_SINK_BLOCKS, "1.5"),
+    (ENV_SINK_BLOCKS, "-1"),  # negative
+    (ENV_LOCAL_BLOCKS, "2x"),
+    (ENV_LOCAL_BLOCKS, "-2"),
+    (ENV_WITNESS_BLOCKS, "many"),
+    (ENV_WITNESS_BLOCKS, "-3"),
+    (ENV_MAX_STRUCTURAL_FRACTION, "0"),  # out of (0, 1]
+    (ENV_MAX_STRUCTURAL_FRACTION, "1.5"),
+    (ENV_MAX_STRUCTURAL_FRACTION, "-0.1"),
+    (ENV_MAX_STRUCTURAL_FRACTION, "nan"),
+    (ENV_MAX_STRUCTURAL_FRACTION, "quarter"),  # not a number
+    (ENV_MISMATCH_ACTION, "ignore"),  # unknown action
+    (ENV_PATHS, "decode,verify"),  # unknown path name
+    (ENV_PATHS, "decode,,cp"),  # empty item
+]
+
+
+@pytest.mark.parametrize("name,value", BAD_ENV)
+def test_env_bad_value_names_variable_and_value(name, value):
+    with pytest.raises(ValueError) as err:
+        IndexerTopologySettings.from_env({ENV_POLICY: "topology_sparse_merge", name: value})
+    assert name in str(err.value) and repr(value) in str(err.value), str(err.value)
+
+
+def test_env_inconsistent_block_counts_name_the_variables():
+    env = {ENV_POLICY: "topology_sparse_merge", ENV_SINK_BLOCKS: "0", ENV_LOCAL_BLOCKS: "0", ENV_WITNESS_BLOCKS: "0"}
+    # The default sinks are 4 tokens, so zero blocks of every kind still inject something...
+    assert IndexerTopologySettings.from_env(env).policy.sink_tokens == 4
+    # ...but with no sink tokens either the policy would inject nothing.
+    for tokens in ("0", "blocks"):
+        with pytest.raises(ValueError, match=f"{ENV_SINK_BLOCKS}=0, {ENV_SINK_TOKENS}={tokens}, "
+                                             f"{ENV_LOCAL_BLOCKS}=0, {ENV_WITNESS_BLOCKS}=0"):
+            IndexerTopologySettings.from_env({**env, ENV_SINK_TOKENS: tokens})
+
+
+def test_indexer_reads_environment_once_at_construction():
+    with mock.patch.dict(os.environ, {ENV_SINK_BLOCKS: "-1"}):
+        with pytest.raises(ValueError, match=ENV_SINK_BLOCKS):
+            Indexer(HEADS, DIM)
+    with mock.patch.dict(os.environ, {ENV_POLICY: "topology_sparse_merge", ENV_PATHS: "decode"}):
+        indexer = Indexer(HEADS, DIM)
+    with mock.patch.dict(os.environ, {ENV_POLICY: "bogus"}):
+        assert indexer.topology.policy.policy is MERGE  # later changes are not read
+        assert indexer.topology.paths == {IndexerPath.DECODE}
+
+
+
+def test_env_sink_tokens_and_structural_budget():
+    from rtp_llm.models_py.modules.hybrid.topology_kv_config import IndexerTopologySettings, StructuralBudget
+
+    env = {"RTP_LLM_TOPOLOGY_KV_POLICY": "topology_sparse_merge", "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS": "4",
+           "RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET": "Scaled"}
+    settings = IndexerTopologySettings.from_env(env)
+    assert settings.policy.sink_tokens == 4
+    assert settings.policy.structural_budget is StructuralBudget.SCALED
+    blocks = IndexerTopologySettings.from_env({**env, "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS": "blocks"})
+    assert blocks.policy.sink_tokens is None
+    for name, bad in [("RTP_LLM_TOPOLOGY_KV_SINK_TOKENS", "-4"), ("RTP_LLM_TOPOLOGY_KV_SINK_TOKENS", "four"),
+                      ("RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET", "elastic")]:
+        with pytest.raises(ValueError, match=name):
+            IndexerTopologySettings.from_env({**env, name: bad})
+

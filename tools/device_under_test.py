@@ -1,0 +1,25 @@
+"""The device every test of this repository runs on: one switch, read once.
+
+``TOPOLOGY_KV_TEST_DEVICE`` (default ``cpu``) selects it; the ``*_cuda_manual`` Bazel
+twins set it to ``cuda``. Test modules import :data:`DEVICE`; the ``conftest.py`` of each
+test folder calls :func:`skip_reason` and skips every collected test when the requested
+device is missing (so a GPU target on a machine without one reports skips, not errors).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+TEST_DEVICE_ENV = "TOPOLOGY_KV_TEST_DEVICE"
+
+DEVICE = torch.device(os.environ.get(TEST_DEVICE_ENV, "cpu"))
+
+
+def skip_reason() -> Optional[str]:
+    """Why the tests cannot run on :data:`DEVICE`, or None when they can."""
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        return f"{TEST_DEVICE_ENV}=cuda but no CUDA device"
+    return None
