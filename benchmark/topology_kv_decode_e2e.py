@@ -80,13 +80,7 @@ class LayerCache:
         return cls(z(), z(), z(), BlockDriftTracker(1, blocks, heads * dim, block_size=BLOCK_SIZE, device=device))
 
     def clone(self) -> "LayerCache":
-        drift = BlockDriftTracker(
-            1, self.drift.max_blocks, self.drift.key_dim, block_size=BLOCK_SIZE, device=self.k.device
-        )
-        drift._sums.copy_(self.drift._sums)
-        drift._counts.copy_(self.drift._counts)
-        drift._drift_flat.copy_(self.drift._drift_flat)
-        return LayerCache(self.k.clone(), self.v.clone(), self.index_k.clone(), drift)
+        return LayerCache(self.k.clone(), self.v.clone(), self.index_k.clone(), self.drift.clone())
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values ``[T, Hkv, D]`` at positions ``start .. start + T - 1``."""

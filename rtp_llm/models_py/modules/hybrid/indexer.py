@@ -27,9 +27,10 @@ Configuration: :class:`IndexerTopologySettings` (``topology_kv_config``), read f
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -51,6 +52,33 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import TopologyKVCounters, apply_topology_kv_policy
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TopologyStepCounters:
+    """Caller-owned record of one step's policy counters, one entry per layer called.
+
+    The ``Indexer`` keeps no per-call state: a layer object is shared by every request
+    and thread that runs it, so counters go to the object the caller passes to
+    :meth:`Indexer._compute_topk` (``topology_counters=``), one per step (or per thread).
+    ``by_layer[layer_idx]`` is the :class:`TopologyKVCounters` of that layer's last call
+    in this step, or None when the policy did not run there (disabled, path switched off,
+    or a CP rank with no local rows), so nothing stale is ever reported.
+    """
+
+    by_layer: Dict[int, Optional[TopologyKVCounters]] = dataclasses.field(default_factory=dict)
+
+    def record(self, layer_idx: int, counters: Optional[TopologyKVCounters]) -> None:
+        self.by_layer[layer_idx] = counters
+
+    def totals(self) -> Dict[str, int]:
+        """Every counter summed over the layers that ran the policy (reads the device: syncs)."""
+        out: Dict[str, int] = {}
+        for counters in self.by_layer.values():
+            if counters is not None:
+                for name, value in counters.to_dict().items():
+                    out[name] = out.get(name, 0) + value
+        return out
 
 
 class Indexer(nn.Module):
@@ -90,8 +118,6 @@ class Indexer(nn.Module):
             raise TypeError(f"topology: expected IndexerTopologySettings, got {type(topology).__name__}")
         self.topology = topology
         self._logged_skip_reasons = set()  # (reason, path) pairs already logged
-        # Counters of the last policy call (0-dim device tensors; None when it did not run).
-        self.last_topology_counters: Optional[TopologyKVCounters] = None
 
     # ------------------------------------------------------------------ routing
 
@@ -120,6 +146,7 @@ class Indexer(nn.Module):
         *,
         drift_tracker: Optional[BlockDriftTracker] = None,
         topology_context=None,
+        topology_counters: Optional[TopologyStepCounters] = None,
     ) -> Optional[torch.Tensor]:
         """Top-k rows of the step, then the topology policy when enabled for the path.
 
@@ -131,6 +158,8 @@ class Indexer(nn.Module):
         drift_tracker : this layer's :class:`BlockDriftTracker` for the batch, or None
             (witnesses then fall back to the most recent blocks; logged once)
         topology_context : TopologyRequestContext or one per request (compress mode)
+        topology_counters : caller-owned :class:`TopologyStepCounters`, or None; when given,
+            this layer's counters (or None if the policy did not run) are recorded there
 
         Returns
         -------
@@ -159,10 +188,15 @@ class Indexer(nn.Module):
         else:
             topk = self._get_topk_ragged(q, weights, kv_cache, fmha_params, attention_inputs)
         if not self.topology.enabled or topk is None:
+            if topology_counters is not None:
+                topology_counters.record(self.layer_idx, None)
             return topk
-        return self._apply_topology(
+        out, counters = self._apply_topology(
             path, topk, fmha_params, attention_inputs, cp_params, drift_tracker, topology_context
         )
+        if topology_counters is not None:
+            topology_counters.record(self.layer_idx, counters)
+        return out
 
     def forward(
         self,
@@ -175,6 +209,7 @@ class Indexer(nn.Module):
         *,
         drift_tracker: Optional[BlockDriftTracker] = None,
         topology_context=None,
+        topology_counters: Optional[TopologyStepCounters] = None,
     ) -> Optional[torch.Tensor]:
         return self._compute_topk(
             q,
@@ -185,6 +220,7 @@ class Indexer(nn.Module):
             cp_params,
             drift_tracker=drift_tracker,
             topology_context=topology_context,
+            topology_counters=topology_counters,
         )
 
     # ------------------------------------------------------------------ cache writes
@@ -351,10 +387,10 @@ class Indexer(nn.Module):
         cp_params,
         drift_tracker: Optional[BlockDriftTracker],
         topology_context,
-    ) -> torch.Tensor:
+    ) -> Tuple[torch.Tensor, Optional[TopologyKVCounters]]:
+        """The policy on the op's rows: ``(rows, counters)``; counters None when skipped."""
         config = self.topology.policy
         if path not in self.topology.paths:
-            self.last_topology_counters = None
             self._log_skip_once(
                 "path_off",
                 path,
@@ -362,7 +398,7 @@ class Indexer(nn.Module):
                 config.policy.value,
                 ENV_PATHS,
             )
-            return topk
+            return topk, None
         lengths, offsets, row_to_request, batch = self._policy_inputs(
             path, topk, fmha_params, attention_inputs, cp_params
         )
@@ -394,5 +430,4 @@ class Indexer(nn.Module):
             row_to_request=row_to_request,
             context=topology_context,
         )
-        self.last_topology_counters = result.counters
-        return result.indices
+        return result.indices, result.counters

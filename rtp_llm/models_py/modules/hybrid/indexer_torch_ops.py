@@ -12,7 +12,7 @@ Math (DeepSeek-V3.2 lightning indexer): for row ``t`` and visible token ``s``
 ``I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])``, accumulated in fp32. Row ``t`` sees
 tokens ``0 .. length[t] - 1`` of its request (causal length, ``expanded_seq_lens``).
 
-Top-k output convention (the engine's, DESIGN.md): int32 ``[R, W]``. A row with
+Top-k output convention (the engine's; docs/architecture.md): int32 ``[R, W]``. A row with
 ``length <= W`` holds ``offset + 0 .. offset + length - 1`` ascending, then ``-1``. A
 longer row holds the ``W`` highest-scoring positions plus ``offset``, in descending score
 order, ties to the lower position (the engine promises no order; this one is fixed so

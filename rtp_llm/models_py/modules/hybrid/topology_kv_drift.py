@@ -185,6 +185,25 @@ class BlockDriftTracker:
         """float32 ``[B, N]`` tokens fed per block."""
         return self._counts[:, : self.max_blocks]
 
+    def clone(self) -> "BlockDriftTracker":
+        """An independent copy of this tracker's state (same settings, same device).
+
+        For callers that fork a batch's state, e.g. several decode variants continuing
+        from one prefilled cache; updating either copy leaves the other unchanged.
+        """
+        copy = BlockDriftTracker(
+            self.num_requests,
+            self.max_blocks,
+            self.key_dim,
+            block_size=self.block_size,
+            metric=self.metric,
+            device=self.device,
+        )
+        copy._sums.copy_(self._sums)
+        copy._counts.copy_(self._counts)
+        copy._drift_flat.copy_(self._drift_flat)
+        return copy
+
     def reset(self, request_ids: Optional[torch.Tensor] = None) -> None:
         """Forget the requests ``request_ids`` (int ``[k]``), or all; no sync."""
         if request_ids is None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from benchmark import topology_kv_reference as policy_ref
-from rtp_llm.models_py.modules.hybrid.indexer import Indexer
+from rtp_llm.models_py.modules.hybrid.indexer import Indexer, TopologyStepCounters
 from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerAttentionInputs,
     IndexerCPParams,
@@ -113,7 +113,10 @@ def test_disabled_returns_the_op_output_itself(path, prefill_case, decode_case):
     indexer = Indexer(HEADS, DIM, topology=DISABLED)
     cache = IndexerKeyCache(torch.zeros(1, PAGE, DIM))
     with mock.patch.object(Indexer, OPS[path], autospec=True, return_value=known) as op:
-        out = run_compute_topk(indexer, case, cp, kv_cache=cache, drift_tracker=make_tracker(prefill_case))
+        step = TopologyStepCounters()
+        out = run_compute_topk(
+            indexer, case, cp, kv_cache=cache, drift_tracker=make_tracker(prefill_case), topology_counters=step
+        )
     assert out is known
     op.assert_called_once()
     args = op.call_args.args
@@ -122,7 +125,7 @@ def test_disabled_returns_the_op_output_itself(path, prefill_case, decode_case):
     if path is IndexerPath.CP:  # the CP op gets the rank's CP fields, in the engine's order
         assert args[6] is cp.total_local_ids and args[7] is cp.cu_kv_seqlens_global and args[8] == cp.total_kv_len
         assert args[9:] == (cp.precomputed_ks, cp.precomputed_ke, cp.precomputed_lengths, cp.precomputed_topk_off)
-    assert indexer.last_topology_counters is None
+    assert step.by_layer == {0: None}
 
 
 @pytest.mark.parametrize("path", list(IndexerPath))
@@ -136,7 +139,11 @@ def test_policy_hook_on_mocked_paths(path, mode, prefill_case, decode_case):
     tracker = make_tracker(case)
     fill_cache(indexer, case, tracker)
     with mock.patch.object(Indexer, OPS[path], autospec=True, return_value=known):
-        out = run_compute_topk(indexer, case, cp, kv_cache=IndexerKeyCache(torch.zeros(1, PAGE, DIM)), drift_tracker=tracker)
+        step = TopologyStepCounters()
+        out = run_compute_topk(
+            indexer, case, cp, kv_cache=IndexerKeyCache(torch.zeros(1, PAGE, DIM)), drift_tracker=tracker,
+            topology_counters=step,
+        )
     assert torch.equal(known, before), "the op's rows were modified in place"
     assert out.shape == known.shape and out.dtype == known.dtype and out.device == known.device
     drift_rows = tracker.drift_scores().cpu()[torch.tensor(r2r)]
@@ -145,7 +152,7 @@ def test_policy_hook_on_mocked_paths(path, mode, prefill_case, decode_case):
         block_size=PAGE, max_structural_fraction=0.25, offsets=torch.tensor(offsets), drift=drift_rows,
     )
     assert torch.equal(out.cpu(), expected), "hook did not pass the path's lengths / offsets / drift rows"
-    assert not mismatches and int(indexer.last_topology_counters.coordinate_mismatch_fallbacks) == 0
+    assert not mismatches and int(step.by_layer[0].coordinate_mismatch_fallbacks) == 0
     assert_rows_valid(out, lengths, offsets)
     assert_structural_present(out, lengths, offsets, drift_rows.tolist(), indexer.topology.policy)
     assert_maps_to_own_slots(out, batch, offsets)
@@ -177,14 +184,15 @@ def test_compress_mode_gets_contexts_per_request(prefill_case):
     indexer = Indexer(HEADS, DIM, topology=policy_settings(COMPRESS))
     contexts = [TopologyRequestContext(scaffold_token_ids=tuple(range(n))) for n in (0, 700, 300, 1300)]
     with mock.patch.object(Indexer, "_get_topk_ragged", autospec=True, return_value=known):
-        out = run_compute_topk(indexer, prefill_case, kv_cache=None, topology_context=contexts)
+        step = TopologyStepCounters()
+        out = run_compute_topk(indexer, prefill_case, kv_cache=None, topology_context=contexts, topology_counters=step)
     scaffold = [contexts[r].scaffold_length for r in b.row_to_request]
     expected, counters, _ = policy_ref.reference_topology_policy(
         known.cpu(), torch.tensor(b.row_lengths), mode=COMPRESS.value, sink_blocks=1, local_blocks=2,
         witness_blocks=2, block_size=PAGE, max_structural_fraction=0.25, scaffold_lengths=scaffold,
     )
     assert torch.equal(out.cpu(), expected)
-    assert int(indexer.last_topology_counters.compressed_blocks) == counters["compressed_blocks"] > 0
+    assert int(step.by_layer[0].compressed_blocks) == counters["compressed_blocks"] > 0
 
 
 def test_switched_off_path_passes_through_and_logs_once(prefill_case, decode_case, caplog):
@@ -220,7 +228,28 @@ def test_cp_rank_without_rows_returns_none(prefill_case):
     cp, _ = ref.build_cp_params(prefill_case.batch, [], cp_size=2, cp_rank=0)
     indexer = Indexer(HEADS, DIM, topology=policy_settings(MERGE))
     cache = fill_cache(indexer, prefill_case)
-    assert run_compute_topk(indexer, prefill_case, to_device(cp), kv_cache=cache) is None
+    # A step object holding an earlier layer call's counters: this rank's call must not
+    # leave them looking current (the old per-layer attribute went stale exactly here).
+    step = TopologyStepCounters()
+    run_compute_topk(indexer, prefill_case, kv_cache=cache, topology_counters=step)
+    assert step.by_layer[0] is not None
+    assert run_compute_topk(indexer, prefill_case, to_device(cp), kv_cache=cache, topology_counters=step) is None
+    assert step.by_layer == {0: None}
+
+
+def test_counters_go_to_the_callers_object_never_to_the_shared_layer(prefill_case, decode_case):
+    """Two callers (two threads, two steps) sharing one layer each get their own counters."""
+    indexer = Indexer(HEADS, DIM, topology=policy_settings(MERGE))
+    assert not hasattr(indexer, "last_topology_counters")
+    cache = fill_cache(indexer, prefill_case)
+    first, second = TopologyStepCounters(), TopologyStepCounters()
+    run_compute_topk(indexer, prefill_case, kv_cache=cache, topology_counters=first)
+    short = ref.build_decode_case((5,), HEADS, DIM, PAGE, seed=3)  # one short row: nothing injected
+    run_compute_topk(indexer, short, kv_cache=fill_cache(indexer, short), topology_counters=second)
+    a, b = first.totals(), second.totals()
+    assert a["selected_tokens"] == sum(min(n, WIDTH) for n in prefill_case.batch.row_lengths)
+    assert b["selected_tokens"] == 5 and b["structural_injected_tokens"] == 0
+    assert first.by_layer[0] is not second.by_layer[0]
 
 
 def test_tracker_too_small_for_batch_is_an_error(prefill_case):

@@ -77,3 +77,18 @@ def test_tracker_ignores_out_of_range_positions_and_resets():
         BlockDriftTracker(1, 0, 4)
 
 
+
+
+def test_clone_is_an_independent_copy(prefill_case):
+    case = prefill_case
+    tracker = make_tracker(case)
+    part = case.request_ids == 1
+    tracker.update(case.keys[part].to(DEVICE), case.positions[part].to(DEVICE), case.request_ids[part].to(DEVICE))
+    copy = tracker.clone()
+    assert torch.equal(copy.drift_scores(), tracker.drift_scores())
+    assert torch.equal(copy.centroids(), tracker.centroids())
+    assert (copy.block_size, copy.metric, copy.max_blocks) == (tracker.block_size, tracker.metric, tracker.max_blocks)
+    before = tracker.drift_scores().clone()
+    copy.reset()
+    assert torch.equal(tracker.drift_scores(), before), "resetting the clone changed the original"
+    assert not bool(copy.block_counts().any())
