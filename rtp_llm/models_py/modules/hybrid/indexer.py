@@ -43,6 +43,7 @@ from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerKeyCache,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
+    ENV_MAX_STRUCTURAL_FRACTION,
     ENV_PATHS,
     IndexerPath,
     IndexerTopologySettings,
@@ -116,6 +117,14 @@ class Indexer(nn.Module):
             topology = IndexerTopologySettings.from_env(os.environ, block_size=blocksize)
         if not isinstance(topology, IndexerTopologySettings):
             raise TypeError(f"topology: expected IndexerTopologySettings, got {type(topology).__name__}")
+        policy = topology.policy
+        if policy.enabled and policy.policy is not TopologyKVPolicyMode.TOPOLOGY_ONLY:
+            if policy.structural_cap(index_topk) == 0:
+                raise ValueError(
+                    f"max_structural_fraction ({ENV_MAX_STRUCTURAL_FRACTION}): expected >= 1 / index_topk "
+                    f"(1/{index_topk}) so that {policy.policy.value} can inject a token, got "
+                    f"{policy.max_structural_fraction} (floor({index_topk} * {policy.max_structural_fraction}) = 0)"
+                )
         self.topology = topology
         self._logged_skip_reasons = set()  # (reason, path) pairs already logged
 

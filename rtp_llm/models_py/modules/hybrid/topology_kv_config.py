@@ -37,11 +37,18 @@ import dataclasses
 import enum
 import math
 import os
+import re
 from typing import FrozenSet, Mapping, Optional, Union
 
 from rtp_llm.models_py.modules.hybrid.topology_kv_checks import check_fraction, check_int
 
 DEFAULT_BLOCK_SIZE = 64  # the engine's KV page size (tokens per block)
+# Most structural blocks a config may schedule (sink + local + witness) and most sink tokens
+# (in blocks). The engine's rows are 2048 wide (32 pages of 64 tokens) and a merge mode
+# injects at most W * max_structural_fraction <= W tokens, so 64 blocks (two full rows) is
+# already more than any row can take; the policy's cost grows with the scheduled slots
+# (local_blocks = 2000 made one call 400x slower), so larger values are rejected here.
+MAX_STRUCTURAL_BLOCKS = 64
 
 
 def parse_enum_member(cls, value, setting: str):
@@ -105,7 +112,9 @@ class TopologyKVPolicyConfig:
     policy : TopologyKVPolicyMode or its name (parsed case-insensitively)
     sink_blocks, local_blocks, witness_blocks : int >= 0
         Structural blocks per row (see ``topology_kv_schedule``). ``TOPOLOGY_ONLY``
-        ignores ``witness_blocks``: witnesses fill whatever budget remains.
+        ignores ``witness_blocks``: witnesses fill whatever budget remains. Together (with
+        token sinks counted as ``ceil(sink_tokens / block_size)`` blocks) at most
+        :data:`MAX_STRUCTURAL_BLOCKS`.
     block_size : int > 0
         Tokens per block; 64 is the engine's KV page size.
     max_structural_fraction : float in (0, 1]
@@ -144,10 +153,18 @@ class TopologyKVPolicyConfig:
         object.__setattr__(
             self, "coordinate_mismatch_action", CoordinateMismatchAction.parse(self.coordinate_mismatch_action)
         )
-        check_int("sink_blocks", self.sink_blocks, 0)
-        check_int("local_blocks", self.local_blocks, 0)
-        check_int("witness_blocks", self.witness_blocks, 0)
+        check_int("sink_blocks", self.sink_blocks, 0, MAX_STRUCTURAL_BLOCKS)
+        check_int("local_blocks", self.local_blocks, 0, MAX_STRUCTURAL_BLOCKS)
+        check_int("witness_blocks", self.witness_blocks, 0, MAX_STRUCTURAL_BLOCKS)
         check_int("block_size", self.block_size, 1)
+        sink_blocks = self.sink_blocks if self.sink_tokens is None else -(-self.sink_tokens // self.block_size)
+        total = sink_blocks + self.local_blocks + self.witness_blocks
+        if total > MAX_STRUCTURAL_BLOCKS:
+            raise ValueError(
+                f"sink_blocks (or sink_tokens / block_size) + local_blocks + witness_blocks: expected <= "
+                f"{MAX_STRUCTURAL_BLOCKS} scheduled blocks (MAX_STRUCTURAL_BLOCKS), got {sink_blocks} + "
+                f"{self.local_blocks} + {self.witness_blocks} = {total}"
+            )
         check_fraction("max_structural_fraction", self.max_structural_fraction)
         sinks = self.sink_blocks if self.sink_tokens is None else self.sink_tokens
         if self.enabled and sinks + self.local_blocks + self.witness_blocks == 0:
@@ -192,6 +209,10 @@ def _default_policy() -> TopologyKVPolicyConfig:
     return TopologyKVPolicyConfig(coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED)
 
 
+_DECIMAL_INT = re.compile(r"[0-9]{1,9}")  # ASCII only; 9 digits is far past every cap
+_DECIMAL_FRACTION = re.compile(r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]{1,3})?")
+
+
 def _env_value(environ: Mapping[str, str], name: str) -> Optional[str]:
     raw = environ.get(name)
     if raw is None or not raw.strip():
@@ -199,16 +220,20 @@ def _env_value(environ: Mapping[str, str], name: str) -> Optional[str]:
     return raw
 
 
-def _env_count(environ: Mapping[str, str], name: str, default: Optional[int]) -> Optional[int]:
+def _env_count(
+    environ: Mapping[str, str], name: str, default: Optional[int], maximum: Optional[int] = None
+) -> Optional[int]:
     raw = _env_value(environ, name)
     if raw is None:
         return default
-    try:
-        value = int(raw.strip(), 10)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a non-negative integer, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r}: expected a non-negative integer, got {value}")
+    text = raw.strip()
+    # Plain ASCII decimal digits only: int() would also take "+2", "3_000", non-ASCII
+    # digits and 20-digit numbers, none of which a user means as a block count.
+    if not _DECIMAL_INT.fullmatch(text):
+        raise ValueError(f"{name}={raw!r}: expected a non-negative decimal integer (digits 0-9 only), got {raw!r}")
+    value = int(text, 10)
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}={raw!r}: expected an integer <= {maximum}, got {value}")
     return value
 
 
@@ -216,8 +241,11 @@ def _env_fraction(environ: Mapping[str, str], name: str, default: float) -> floa
     raw = _env_value(environ, name)
     if raw is None:
         return default
+    text = raw.strip()
+    if not _DECIMAL_FRACTION.fullmatch(text):  # float() would take "0_5", "nan", "١"
+        raise ValueError(f"{name}={raw!r}: expected a number in (0, 1], got {raw!r}")
     try:
-        value = float(raw.strip())
+        value = float(text)
     except ValueError:
         raise ValueError(f"{name}={raw!r}: expected a number in (0, 1], got {raw!r}") from None
     if not (math.isfinite(value) and 0.0 < value <= 1.0):
@@ -296,9 +324,9 @@ class IndexerTopologySettings:
         """Read the ``RTP_LLM_TOPOLOGY_KV_*`` variables (module docstring); ``ValueError``
         naming the variable and its value on anything invalid."""
         mode = _env_enum(environ, ENV_POLICY, TopologyKVPolicyMode, TopologyKVPolicyMode.DISABLED)
-        sink = _env_count(environ, ENV_SINK_BLOCKS, 1)
-        local = _env_count(environ, ENV_LOCAL_BLOCKS, 2)
-        witness = _env_count(environ, ENV_WITNESS_BLOCKS, 2)
+        sink = _env_count(environ, ENV_SINK_BLOCKS, 1, MAX_STRUCTURAL_BLOCKS)
+        local = _env_count(environ, ENV_LOCAL_BLOCKS, 2, MAX_STRUCTURAL_BLOCKS)
+        witness = _env_count(environ, ENV_WITNESS_BLOCKS, 2, MAX_STRUCTURAL_BLOCKS)
         fraction = _env_fraction(environ, ENV_MAX_STRUCTURAL_FRACTION, 0.25)
         action = _env_enum(
             environ, ENV_MISMATCH_ACTION, CoordinateMismatchAction, CoordinateMismatchAction.FALLBACK_DISABLED
@@ -309,7 +337,9 @@ class IndexerTopologySettings:
         if raw_sink_tokens is not None and raw_sink_tokens.strip().lower() == "blocks":
             sink_tokens = None
         else:
-            sink_tokens = _env_count(environ, ENV_SINK_TOKENS, defaults.sink_tokens)
+            sink_tokens = _env_count(
+                environ, ENV_SINK_TOKENS, defaults.sink_tokens, MAX_STRUCTURAL_BLOCKS * block_size
+            )
         budget = _env_enum(environ, ENV_STRUCTURAL_BUDGET, StructuralBudget, defaults.structural_budget)
         try:
             policy = TopologyKVPolicyConfig(

@@ -26,6 +26,8 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     ENV_SINK_BLOCKS,
     ENV_SINK_TOKENS,
     ENV_WITNESS_BLOCKS,
+    MAX_STRUCTURAL_BLOCKS,
+    TopologyKVPolicyConfig,
     CoordinateMismatchAction,
     IndexerPath,
     IndexerTopologySettings,
@@ -84,6 +86,15 @@ BAD_ENV = [
     (ENV_MISMATCH_ACTION, "ignore"),  # unknown action
     (ENV_PATHS, "decode,verify"),  # unknown path name
     (ENV_PATHS, "decode,,cp"),  # empty item
+    # Issue 12 (10): int() / float() accept these; a block count or fraction never means them.
+    (ENV_LOCAL_BLOCKS, "3_000"),  # digit separator
+    (ENV_LOCAL_BLOCKS, "+2"),  # sign
+    (ENV_WITNESS_BLOCKS, "\u0663"),  # ARABIC-INDIC DIGIT THREE
+    (ENV_SINK_TOKENS, "12345678901234567890"),  # 20 digits
+    (ENV_MAX_STRUCTURAL_FRACTION, "0_5"),
+    # Issue 12 (7): block counts past MAX_STRUCTURAL_BLOCKS (a call grew 400x at 2000).
+    (ENV_LOCAL_BLOCKS, "2000"),
+    (ENV_WITNESS_BLOCKS, "65"),
 ]
 
 
@@ -132,3 +143,24 @@ def test_env_sink_tokens_and_structural_budget():
         with pytest.raises(ValueError, match=name):
             IndexerTopologySettings.from_env({**env, name: bad})
 
+
+
+def test_block_counts_are_bounded_at_config_time():
+    """Issue 12 (7): at most MAX_STRUCTURAL_BLOCKS scheduled blocks, named in the error."""
+    TopologyKVPolicyConfig(policy=MERGE, sink_tokens=4, local_blocks=MAX_STRUCTURAL_BLOCKS - 3, witness_blocks=2)
+    with pytest.raises(ValueError, match="local_blocks: expected <= 64, got 2000"):
+        TopologyKVPolicyConfig(policy=MERGE, local_blocks=2000)
+    with pytest.raises(ValueError, match="expected <= 64 scheduled blocks"):
+        TopologyKVPolicyConfig(policy=MERGE, sink_tokens=4, local_blocks=40, witness_blocks=24)
+    with pytest.raises(ValueError, match="scheduled blocks"):
+        TopologyKVPolicyConfig(policy=MERGE, sink_tokens=64 * 64 + 1, local_blocks=0, witness_blocks=0)
+
+
+def test_a_fraction_that_injects_nothing_at_the_width_is_rejected():
+    """Issue 12 (10): floor(W * fraction) == 0 would make a merge mode a silent no-op."""
+    env = {ENV_POLICY: "topology_sparse_merge", ENV_MAX_STRUCTURAL_FRACTION: "0.0001"}
+    settings = IndexerTopologySettings.from_env(env)  # valid on its own ...
+    with pytest.raises(ValueError, match=ENV_MAX_STRUCTURAL_FRACTION):
+        Indexer(HEADS, DIM, index_topk=2048, topology=settings)  # ... but 0 tokens at W = 2048
+    Indexer(HEADS, DIM, index_topk=2048, topology=IndexerTopologySettings.from_env({**env, ENV_POLICY: "topology_only"}))
+    Indexer(HEADS, DIM, index_topk=2048, topology=IndexerTopologySettings.from_env({**env, ENV_MAX_STRUCTURAL_FRACTION: "0.0005"}))
