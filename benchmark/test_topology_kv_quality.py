@@ -23,15 +23,11 @@ from benchmark.quality.metrics import LayerMetrics, perplexity, token_nll
 from benchmark.quality.model import full_attention_layers, load_gguf_model
 from benchmark.quality.policy_selectors import PolicySettings
 from benchmark.quality.runner import CellResult, DenseResult, GridResult
-from benchmark.quality.selectors import (
-    BUILTIN_SELECTORS,
-    SelectorSettings,
-    available_selectors,
-    fp8_e4m3_round_trip,
-    make_selector,
-)
+from benchmark.quality.selector_base import SelectorSettings, fp8_per_vector_round_trip
+from benchmark.quality.selectors import BUILTIN_SELECTORS, available_selectors, make_selector
 from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan, sparse_layer_attention, topology_kv_attention
 from benchmark.quality.sample_text import PRIDE_AND_PREJUDICE_OPENING
+from benchmark.quality.synthetic import synthetic_layer
 from benchmark.quality.text import reflow, sample_windows
 
 # Opening of Pride and Prejudice (public domain), enough for NUM_TOKENS tokens.
@@ -83,19 +79,6 @@ def real_layers(lm, ids):
     return [captured[i] for i in sorted(captured)]
 
 
-def _synthetic_layer(seed=0, T=150, L=150, H=6, Hkv=2, D=16, query_chunk=64) -> LayerInputs:
-    """Random post-RoPE-like inputs: GQA 3:1, a partial last query chunk."""
-    g = _gen(seed)
-    return LayerInputs.build(
-        layer_idx=seed,
-        query=torch.randn(H, T, D, generator=g),
-        key=torch.randn(Hkv, L, D, generator=g),
-        value=torch.randn(Hkv, L, D, generator=g),
-        scaling=D**-0.5,
-        query_chunk=query_chunk,
-    )
-
-
 def _all_selector_names():
     return available_selectors()
 
@@ -104,7 +87,7 @@ def _reference_check_rows(rows: torch.Tensor, lengths: torch.Tensor, width: int,
     """Plain loop over rows: the engine convention, written out.
 
     ``ascending=False``: a short row may hold ``0..len-1`` in any order before its ``-1``
-    tail (DESIGN.md's contract for policy output; attention does not see the order).
+    tail (the policy's output contract, docs/architecture.md; attention does not see the order).
     """
     for t, (row, length) in enumerate(zip(rows.tolist(), lengths.tolist())):
         if length <= width:
@@ -253,7 +236,7 @@ def _reference_sparse_attention(layer: LayerInputs, rows: torch.Tensor, width: i
 @pytest.mark.parametrize("selector_name, width", [("learned", 37), ("random", 100), ("locality", 1)])
 def test_sparse_attention_and_metrics_match_reference(selector_name, width, softcap):
     # 150 queries in chunks of 64 (partial last chunk), GQA 3:1; softcap -> the eager path.
-    layer = dataclasses.replace(_synthetic_layer(seed=4), softcap=softcap)
+    layer = dataclasses.replace(synthetic_layer(seed=4, layer_idx=4), softcap=softcap)
     rows = make_selector(selector_name, SelectorSettings())(layer, width, {})
     metrics = LayerMetrics()
     out = sparse_layer_attention(layer, rows, width, metrics, sink_tokens=4)
@@ -290,7 +273,7 @@ def test_selectors_follow_engine_convention_on_real_layers(real_layers, width):
 @pytest.mark.parametrize("name", ["oracle", "learned", "learned-lowrank", "locality", "random"])
 def test_builtin_selectors_on_synthetic_gqa_layer(name):
     # 6 query heads on 2 KV heads; 150 queries in chunks of 64 (a partial last chunk).
-    layer = _synthetic_layer()
+    layer = synthetic_layer()
     for width in (1, 5, 63, 149, 150):
         rows = make_selector(name, SelectorSettings())(layer, width, {})
         _reference_check_rows(rows, layer.lengths, width)
@@ -335,10 +318,23 @@ def test_policy_selector_injects_structure_and_counts_it(real_layers):
 
 def test_fp8_round_trip_keeps_three_mantissa_bits():
     x = torch.randn(64, 32, generator=_gen(3)) * torch.logspace(-3, 3, 32)
-    y = fp8_e4m3_round_trip(x)
+    y = fp8_per_vector_round_trip(x)
     rel = ((y - x).abs() / x.abs().clamp(min=1e-30))
     big = x.abs() >= x.abs().amax(dim=-1, keepdim=True) / 64  # normal range of e4m3 after scaling
     assert float(rel[big].max()) <= 2.0**-4 + 1e-6
+
+
+@pytest.mark.parametrize("D", [4, 64, 128, 256])
+def test_fp8_per_vector_round_trip_is_the_engines_emulation_per_vector(D):
+    from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import fp8_e4m3_round_trip
+
+    x = torch.randn(3, 40, D, generator=_gen(D)) * torch.logspace(-2, 2, D)
+    x[0, 0] = 0.0  # an all-zero vector stays zero
+    y = fp8_per_vector_round_trip(x)
+    assert torch.equal(y, fp8_e4m3_round_trip(x, group_size=D))
+    assert not bool(y[0, 0].any())
+    if D <= 128:  # the engine's groups of 128 channels hold the whole vector
+        assert torch.equal(y, fp8_e4m3_round_trip(x))
 
 
 # Lengths 3 (short), 5 and 8 (long) at W = 4; each case breaks one rule.

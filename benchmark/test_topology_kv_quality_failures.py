@@ -22,27 +22,17 @@ from benchmark.quality.metrics import LayerMetrics
 from benchmark.quality.policy_selectors import PolicySettings
 from benchmark.quality.raised_gate import evaluate_raised_gate, raised_gate_selectors
 from benchmark.quality.runner import CellResult, DenseResult, GridResult
-from benchmark.quality.selectors import SelectorSettings, learned_rows_and_scores, make_selector
+from benchmark.quality.selector_base import SelectorSettings, learned_rows_and_scores
+from benchmark.quality.selectors import make_selector
+from benchmark.quality.synthetic import synthetic_layer
 
 SETTINGS = SelectorSettings(seed=3)
 WIDTH = 40  # rows of length 41..150 are sparse; rows >= WIDTH + drop_tokens must skip the sinks
 
 
-def _layer(seed: int, layer_idx: int = 0, T=150, H=6, Hkv=2, D=16) -> LayerInputs:
-    g = torch.Generator().manual_seed(seed)
-    return LayerInputs.build(
-        layer_idx=layer_idx,
-        query=torch.randn(H, T, D, generator=g),
-        key=torch.randn(Hkv, T, D, generator=g),
-        value=torch.randn(Hkv, T, D, generator=g),
-        scaling=D**-0.5,
-        query_chunk=64,
-    )
-
-
 @pytest.mark.parametrize("kind", FAILURE_MODES)
 def test_failure_rows_keep_the_engine_convention(kind):
-    layer = _layer(0)
+    layer = synthetic_layer(0)
     rows, scores = degraded_rows_and_scores(kind, layer, WIDTH, SETTINGS, FailureSettings(), StaleKeys())
     check_engine_rows(rows, layer.lengths, WIDTH, name=kind)
     assert scores.shape == rows.shape
@@ -50,7 +40,7 @@ def test_failure_rows_keep_the_engine_convention(kind):
 
 def test_nosink_never_selects_the_first_tokens_when_it_can_avoid_them():
     drop = 4
-    layer = _layer(1)
+    layer = synthetic_layer(1)
     rows, _ = degraded_rows_and_scores("nosink", layer, WIDTH, SETTINGS, FailureSettings(drop_tokens=drop))
     long_enough = layer.lengths >= WIDTH + drop
     assert bool(long_enough.any())
@@ -60,7 +50,7 @@ def test_nosink_never_selects_the_first_tokens_when_it_can_avoid_them():
 
 
 def test_noisy_is_seeded_and_degrades_with_snr():
-    layer = _layer(2)
+    layer = synthetic_layer(2)
     learned, _ = learned_rows_and_scores(layer, WIDTH, SETTINGS)
     a, _ = degraded_rows_and_scores("noisy", layer, WIDTH, SETTINGS, FailureSettings(noise_snr=1.0))
     b, _ = degraded_rows_and_scores("noisy", layer, WIDTH, SETTINGS, FailureSettings(noise_snr=1.0))
@@ -74,7 +64,7 @@ def test_noisy_is_seeded_and_degrades_with_snr():
 
 
 def test_stale_ranks_with_the_previous_layers_keys():
-    first, second = _layer(3, layer_idx=0), _layer(4, layer_idx=1)
+    first, second = synthetic_layer(3, layer_idx=0), synthetic_layer(4, layer_idx=1)
     stale = StaleKeys()
     r0, _ = degraded_rows_and_scores("stale", first, WIDTH, SETTINGS, FailureSettings(), stale)
     assert torch.equal(r0, learned_rows_and_scores(first, WIDTH, SETTINGS)[0]), "first layer: own keys"
@@ -89,7 +79,7 @@ def test_stale_ranks_with_the_previous_layers_keys():
 def test_failure_selectors_build_and_keep_the_convention(name):
     policy = PolicySettings(sink_tokens=4, witness_signal="query_centroid")
     select = make_selector(name, SETTINGS, policy)
-    layer = _layer(5)
+    layer = synthetic_layer(5)
     rows = select(layer, WIDTH, {})
     check_engine_rows(rows, layer.lengths, WIDTH, name=name, ascending_short_rows=False)
 
@@ -105,7 +95,7 @@ def test_split_selector_name():
 def test_policy_selector_with_each_witness_signal(signal, mode):
     policy = PolicySettings(witness_signal=signal, sink_tokens=4, block_size=8, local_blocks=2)
     select = make_selector(mode, SETTINGS, policy)
-    layer = _layer(6)
+    layer = synthetic_layer(6)
     rows = select(layer, WIDTH, {})
     check_engine_rows(rows, layer.lengths, WIDTH, name=signal, ascending_short_rows=False)
 
@@ -201,7 +191,7 @@ def test_mode_settings_apply_to_one_mode_only():
     merge = policy.for_mode("topology_sparse_merge")
     assert (merge.block_size, merge.local_blocks, merge.witness_signal, merge.sink_tokens) == (64, 2, "key_drift", 4)
     # The override reaches the selector: topology_only at block size 8 keeps the 8 most recent blocks.
-    layer = _layer(7)
+    layer = synthetic_layer(7)
     rows = make_selector("topology_only", SETTINGS, policy)(layer, WIDTH, {})
     check_engine_rows(rows, layer.lengths, WIDTH, name="topology_only", ascending_short_rows=False)
     for bad, msg in [

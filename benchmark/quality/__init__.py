@@ -14,14 +14,23 @@ Modules, one concern each:
     model             GGUF discovery, offline loading, full-attention layer detection
     index_rows        the engine's top-k row convention: build, check, turn into masks
     layer             one layer's attention inputs and the chunked attention maths
-    selectors         oracle / learned proxy / weak proxy / locality / random / all
+    synthetic         random layer inputs for tests (no model)
+    selector_base     selector contract and settings, chunked top-W rows, the proxy indexer
+                      (fp8 through the engine's ``indexer_torch_ops.fp8_e4m3_round_trip``)
     policy_selectors  the real ``apply_topology_kv_policy`` on the learned rows
+    failure_modes     the proxy indexer degraded (noisy / nosink / stale)
+    selectors         oracle / learned / locality / random / all, and the by-name registry
     sparse_attention  the transformers attention-interface hook and per-forward plan
     metrics           chunked perplexity and per-layer metric accumulators
     runner            the grid: dense forward, then one forward per (selector, budget)
     gate              PASS/FAIL per policy mode from the grid's numbers
+    raised_gate       the stricter gate over merge modes and failure modes (``--raised-gate``)
     report            markdown table, JSON, PNG plots
+    compare           before/after tables of runs of the same grid
     cli               flags, validation, ``main``
+
+Selector modules import in one direction: ``selector_base`` <- ``policy_selectors``,
+``failure_modes`` <- ``selectors`` (the registry) <- ``runner`` <- ``cli``.
 
 Shape vocabulary (shared with the rest of the project): ``T`` query tokens (rows),
 ``L`` key length, ``W`` budget (top-k width), ``H`` query heads, ``Hkv`` key/value

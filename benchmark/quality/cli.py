@@ -12,12 +12,19 @@ import time
 from fractions import Fraction
 from typing import Dict, Optional, Sequence, Tuple
 
+import torch
+
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.gate import GateThresholds, evaluate_gate, format_gate
+from benchmark.quality.model import load_gguf_model
 from benchmark.quality.paths import default_data_dir, user_path
 from benchmark.quality.policy_selectors import PolicySettings, policy_mode_names
-from benchmark.quality.selectors import SelectorSettings, resolve_selector_names
-from benchmark.quality.text import NOVELS
+from benchmark.quality.raised_gate import evaluate_raised_gate, format_raised_gate, raised_gate_selectors
+from benchmark.quality.report import markdown_report, write_outputs
+from benchmark.quality.runner import GridSettings, run_grid, select_all_self_check
+from benchmark.quality.selector_base import SelectorSettings
+from benchmark.quality.selectors import resolve_selector_names
+from benchmark.quality.text import NOVELS, ensure_austen_text, sample_windows
 
 # Default run: one 2k window, three budgets, every selector: 1 dense + 24 sparse forwards.
 # Measured on 2 cores: 6.0 min wall (18 s model load, ~13 s per sparse forward); 10 min
@@ -138,8 +145,6 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
                 raise UsageError(f"--budgets: {b} of context {ctx} is less than one token")
     selectors = resolve_selector_names(args.selectors)
     if args.raised_gate:
-        from benchmark.quality.raised_gate import raised_gate_selectors
-
         selectors = tuple(raised_gate_selectors(selectors))
     if args.windows < 1:
         raise UsageError(f"--windows: expected >= 1, got {args.windows}")
@@ -252,7 +257,6 @@ def limit_heap_fragmentation() -> bool:
 
 
 def _versions() -> Dict[str, str]:
-    import torch
     import transformers
 
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
@@ -261,13 +265,6 @@ def _versions() -> Dict[str, str]:
 def run(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = resolve_args(args)
-    import torch
-
-    from benchmark.quality.model import load_gguf_model
-    from benchmark.quality.report import markdown_report, write_outputs
-    from benchmark.quality.runner import GridSettings, run_grid, select_all_self_check
-    from benchmark.quality.text import ensure_austen_text, sample_windows
-
     if args.threads:
         torch.set_num_threads(args.threads)
     heap_limited = limit_heap_fragmentation()
@@ -331,8 +328,6 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     print("Gate:")
     print(format_gate(verdicts) or "(no policy mode in --selectors)")
     if args.raised_gate:
-        from benchmark.quality.raised_gate import evaluate_raised_gate, format_raised_gate
-
         raised = evaluate_raised_gate(grid)
         print("\nRaised gate:")
         print(format_raised_gate(raised))

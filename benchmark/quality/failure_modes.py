@@ -1,6 +1,6 @@
 """Indexer failure modes: the proxy indexer degraded in ways real indexers fail.
 
-Each mode changes how the ``learned`` proxy (:func:`~benchmark.quality.selectors.learned_rows_and_scores`)
+Each mode changes how the ``learned`` proxy (:func:`~benchmark.quality.selector_base.learned_rows_and_scores`)
 scores keys, and leaves the engine's row convention alone (short rows stay dense):
 
 * ``noisy``   index scores plus Gaussian noise at signal-to-noise ratio ``noise_snr``
@@ -24,6 +24,14 @@ import torch
 
 from benchmark.quality.errors import UsageError
 from benchmark.quality.layer import LayerInputs
+from benchmark.quality.selector_base import (
+    Selector,
+    SelectorSettings,
+    indexer_inputs,
+    layer_generator,
+    proxy_index_scores,
+    top_rows_by_chunk,
+)
 
 FAILURE_MODES = ("noisy", "nosink", "stale")
 
@@ -31,7 +39,8 @@ FAILURE_MODES = ("noisy", "nosink", "stale")
 @dataclasses.dataclass(frozen=True)
 class FailureSettings:
     """noise_snr : ``noisy`` signal-to-noise power ratio (1.0: noise as strong as the signal)
-    drop_tokens : ``nosink`` positions never selected (4: the sink tokens of DATA.md)
+    drop_tokens : ``nosink`` positions never selected (4: the sink count the harness uses
+        throughout, docs/quality.md)
     """
 
     noise_snr: float = 1.0
@@ -60,23 +69,26 @@ class StaleKeys:
 
 
 def degraded_rows_and_scores(
-    kind: str, layer: LayerInputs, width: int, settings, failure: FailureSettings, stale: Optional[StaleKeys] = None
+    kind: str,
+    layer: LayerInputs,
+    width: int,
+    settings: SelectorSettings,
+    failure: FailureSettings,
+    stale: Optional[StaleKeys] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rows and scores of the ``kind`` degraded proxy indexer (same contract as the proxy)."""
-    from benchmark.quality.selectors import _by_chunk_with_scores, _indexer_inputs, _layer_generator
-
     if kind not in FAILURE_MODES:
         raise UsageError(f"failure mode: expected one of {list(FAILURE_MODES)}, got {kind!r}")
     if kind == "stale":
         if stale is None:
             raise ValueError("stale: needs a StaleKeys memory")
         layer = dataclasses.replace(layer, key=stale.swap(layer))
-    q, k = _indexer_inputs(layer, settings, lowrank=False)
-    H = q.shape[0]
-    gen = _layer_generator(settings.seed + 7919, layer.layer_idx)
+    q, k = indexer_inputs(layer, settings, lowrank=False)
+    proxy_scores = proxy_index_scores(layer, q, k)
+    gen = layer_generator(settings.seed + 7919, layer.layer_idx)
 
     def chunk_scores(c0, c1, lc):
-        s = torch.relu(layer.head_dot(q[:, c0:c1], k[:, :lc])).sum(dim=0) / H  # [Tc, lc]
+        s = proxy_scores(c0, c1, lc)  # [Tc, lc]
         if kind == "noisy":
             std = s.std(dim=-1, keepdim=True) / failure.noise_snr**0.5
             s = s + torch.randn(s.shape, generator=gen).to(s.device) * std
@@ -86,10 +98,10 @@ def degraded_rows_and_scores(
             s[:, : failure.drop_tokens] = s.min() - 1.0
         return s
 
-    return _by_chunk_with_scores(layer, width, chunk_scores)
+    return top_rows_by_chunk(layer, width, chunk_scores)
 
 
-def make_degraded_learned(kind: str, settings, failure: FailureSettings):
+def make_degraded_learned(kind: str, settings: SelectorSettings, failure: FailureSettings) -> Selector:
     """Selector ``learned-<kind>``: the degraded proxy's rows."""
     stale = StaleKeys()
 

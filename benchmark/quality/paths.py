@@ -1,4 +1,4 @@
-"""Where things live: repository root, the git-ignored data folder, output paths.
+"""Where things live: repository root, the git-ignored data folder, output paths; file digests.
 
 ``bazel run`` starts binaries inside the runfiles tree; it exports
 ``BUILD_WORKSPACE_DIRECTORY`` (the source checkout) and ``BUILD_WORKING_DIRECTORY``
@@ -8,6 +8,7 @@ mean what the user typed them relative to.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -36,3 +37,12 @@ def user_path(path: str | os.PathLike) -> Path:
         return p
     base = os.environ.get("BUILD_WORKING_DIRECTORY")
     return (Path(base) / p) if base else (Path.cwd() / p)
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file, read 4 MiB at a time (model files are hundreds of MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,7 +1,7 @@
 """Policy selectors: the real ``apply_topology_kv_policy`` applied to the learned rows.
 
 For each full-attention layer: the proxy indexer's top-W rows and scores
-(:func:`benchmark.quality.selectors.learned_rows_and_scores`), the layer's key-centroid
+(:func:`benchmark.quality.selector_base.learned_rows_and_scores`), the layer's key-centroid
 drift per 64-token block (``topology_kv_drift.block_key_centroids`` on the post-RoPE
 keys, then ``block_drift_scores``: block 0 scores 0), then the policy, exactly as the
 serving path calls it. All rows of a forward belong to one request, so the drift is one
@@ -20,7 +20,7 @@ import torch
 from rtp_llm.models_py.modules.hybrid.topology_kv_drift import block_drift_scores, block_key_centroids
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.layer import LayerInputs
-from benchmark.quality.selectors import Selector, SelectorSettings, learned_rows_and_scores
+from benchmark.quality.selector_base import Selector, SelectorSettings, learned_rows_and_scores
 
 _POLICY_MODULE = "rtp_llm.models_py.modules.hybrid.topology_kv_policy"
 
@@ -37,6 +37,19 @@ def policy_mode_names() -> Tuple[str, ...]:
     """Values of the enabled policy modes (every mode but ``disabled``), in enum order."""
     policy, _ = _policy()
     return tuple(m.value for m in policy.TopologyKVPolicyMode if m is not policy.TopologyKVPolicyMode.DISABLED)
+
+
+# PolicySettings fields that TopologyKVPolicyConfig takes under the same names; the
+# others (scaffold_tokens, witness_signal, mode_overrides) are the harness's own.
+CONFIG_FIELDS = (
+    "sink_blocks",
+    "local_blocks",
+    "witness_blocks",
+    "block_size",
+    "max_structural_fraction",
+    "sink_tokens",
+    "structural_budget",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,16 +105,7 @@ class PolicySettings:
         """A validated ``TopologyKVPolicyConfig``; its errors become ``UsageError``."""
         policy, _ = _policy()
         try:
-            return policy.TopologyKVPolicyConfig(
-                policy=mode,
-                sink_blocks=self.sink_blocks,
-                local_blocks=self.local_blocks,
-                witness_blocks=self.witness_blocks,
-                block_size=self.block_size,
-                max_structural_fraction=self.max_structural_fraction,
-                sink_tokens=self.sink_tokens,
-                structural_budget=self.structural_budget,
-            )
+            return policy.TopologyKVPolicyConfig(policy=mode, **{name: getattr(self, name) for name in CONFIG_FIELDS})
         except (TypeError, ValueError) as exc:
             raise UsageError(f"policy settings: {exc}") from exc
 

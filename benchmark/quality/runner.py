@@ -19,7 +19,8 @@ from benchmark.quality.layer import DEFAULT_QUERY_CHUNK
 from benchmark.quality.metrics import LayerMetrics, perplexity, summarize_layers, token_nll
 from benchmark.quality.model import LoadedModel
 from benchmark.quality.policy_selectors import PolicySettings
-from benchmark.quality.selectors import SelectorSettings, make_selector
+from benchmark.quality.selector_base import SelectorSettings
+from benchmark.quality.selectors import make_selector, select_all
 from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan
 from benchmark.quality.text import TextWindow
 
@@ -35,7 +36,7 @@ class GridSettings:
     policy_settings: PolicySettings = PolicySettings()
     query_chunk: int = DEFAULT_QUERY_CHUNK
     logits_chunk: int = 1024
-    metric_sink_tokens: int = 4  # sink retention counts the first 4 positions (DATA.md)
+    metric_sink_tokens: int = 4  # sink retention counts the first 4 positions (docs/quality.md)
     metric_stride: int = 1  # measure per-layer metrics on every n-th query row
 
 
@@ -128,8 +129,6 @@ def select_all_self_check(lm: LoadedModel, window: TextWindow, tokens: int = 512
     Runs on the first ``tokens`` tokens of ``window`` before the grid: if the hook ever
     stopped matching the model's own attention, every number after it would be wrong.
     """
-    from benchmark.quality.selectors import select_all
-
     ids = torch.tensor([window.token_ids[:tokens]], dtype=torch.int64)  # [1, T]
     plan = SparsePlan(select_all, ids.shape[1], frozenset(lm.full_attention_layers))
     with torch.inference_mode():

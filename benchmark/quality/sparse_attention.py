@@ -3,7 +3,8 @@
 :func:`register` adds one attention implementation, ``topology_kv_quality``, to
 ``AttentionInterface`` *and* the same name to ``AttentionMaskInterface`` (with
 ``sdpa_mask``): without the mask registration transformers silently builds no mask and a
-model with sliding-window layers loses its windows (DATA.md). Load the model with
+model with sliding-window layers loses its windows (docs/quality.md; the tiny qwen2 and
+gemma2 models in ``test_topology_kv_quality.py`` pin it). Load the model with
 ``attn_implementation=ATTENTION_NAME``.
 
 The hook keeps no state. What a forward should do travels with the call, as a keyword
@@ -44,7 +45,7 @@ class SparsePlan:
 
     Attributes
     ----------
-    selector : ``(LayerInputs, W, stats) -> [T, W]`` rows (:mod:`benchmark.quality.selectors`)
+    selector : ``(LayerInputs, W, stats) -> [T, W]`` rows (:mod:`benchmark.quality.selector_base`)
     width : the budget W (tokens per query row)
     full_attention_layers : layer indices to make sparse; others run as the model defines
     metrics : per-layer metric accumulator, or None to skip the dense comparison

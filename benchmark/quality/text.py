@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import hashlib
 import io
 import json
 import os
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from benchmark.quality.errors import SetupError, UsageError
+from benchmark.quality.paths import file_sha256
 
 DEB_PACKAGE = "r-cran-janeaustenr"
 NOVELS = ("emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility")
@@ -107,14 +107,6 @@ def read_rdata_character_vectors(rdb: Path, rdx: Path) -> Dict[str, List[str]]:
     return out
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _download_deb(cache: Path) -> Path:
     debs = sorted(cache.glob(f"{DEB_PACKAGE}_*.deb"))
     if debs:
@@ -180,7 +172,7 @@ def ensure_austen_text(data_dir: Path) -> AustenCorpus:
     texts = {n: reflow(vectors[n]) for n in NOVELS}
     for name, text in texts.items():
         (cache / f"{name}.txt").write_text(text, encoding="utf-8")
-    source = {"package": DEB_PACKAGE, "deb": deb.name, "deb_sha256": _sha256(deb), "cache": str(cache)}
+    source = {"package": DEB_PACKAGE, "deb": deb.name, "deb_sha256": file_sha256(deb), "cache": str(cache)}
     manifest_path.write_text(json.dumps({"novels": list(NOVELS), "source": source}, indent=2))
     shutil.rmtree(extracted, ignore_errors=True)
     return AustenCorpus(texts=texts, source=source)

@@ -1,0 +1,155 @@
+"""What every selector builds on: the selector contract, its settings, top-W rows from
+chunked scores, and the proxy indexer that the learned, policy and failure-mode
+selectors start from.
+
+A selector is called as ``selector(layer, width, stats)`` with a
+:class:`~benchmark.quality.layer.LayerInputs`, the budget ``W`` and a dict it may add
+counters to, and returns int32 ``[T, W]`` rows in the engine's convention
+(:mod:`benchmark.quality.index_rows`): rows of causal length ``<= W`` are
+``0..len-1`` then ``-1`` (dense), longer rows hold ``W`` unique causal positions. Like
+the engine, one index set per query token is shared by all heads.
+
+Dependency direction: this module imports only the leaf modules (``errors``,
+``index_rows``, ``layer``) and the engine's ``indexer_torch_ops``;
+:mod:`~benchmark.quality.policy_selectors` and :mod:`~benchmark.quality.failure_modes`
+import it, and :mod:`~benchmark.quality.selectors` (the registry) imports all three.
+
+fp8 emulation and the engine's quantization. The engine quantizes the indexer's q and
+k to float8-e4m3 per token, in groups of 128 channels, each group with scale
+``amax / 448`` (448: the largest finite e4m3 value); ``indexer_torch_ops.
+fp8_e4m3_round_trip`` emulates exactly that. The proxy here applies the same function
+with one group per vector (``group_size`` = the vector's length, i.e. the head dim, or
+``lowrank_dims`` for the weak proxy): identical to the engine's grouping whenever the
+head dim is at most 128 (SmolLM2: 64), and one scale per head vector instead of one per
+128 channels for wider heads, as the harness has always measured it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Tuple
+
+import torch
+
+from benchmark.quality.errors import UsageError
+from benchmark.quality.index_rows import dense_rows, rows_from_scores
+from benchmark.quality.layer import LayerInputs
+from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import fp8_e4m3_round_trip
+
+Selector = Callable[[LayerInputs, int, Dict[str, float]], torch.Tensor]
+
+# ``chunk_scores(c0, c1, lc)``: float ``[Tc, lc]`` scores of query rows ``[c0, c1)`` over
+# keys ``[0, lc)`` (see :meth:`LayerInputs.chunks`).
+ChunkScores = Callable[[int, int, int], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectorSettings:
+    """Knobs of the built-in selectors.
+
+    seed : random selector, and the projection of the weak proxy
+    sink_tokens : locality keeps the first ``sink_tokens`` positions; 4, the sink count
+        the harness uses throughout (locality, ``nosink``, the sink-retention metric;
+        docs/quality.md)
+    lowrank_dims : dimensions the weak proxy projects each head's q and k to; 4 of 64
+        makes it a deliberately poor indexer
+    fp8 : emulate the fp8-e4m3 indexer inputs (DSA runs its indexer in fp8; see the
+        module doc for how the emulation maps to the engine's quantization)
+    """
+
+    seed: int = 0
+    sink_tokens: int = 4
+    lowrank_dims: int = 4
+    fp8: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("sink_tokens", "lowrank_dims"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"--{name.replace('_', '-')}: expected an int >= 1, got {value!r}")
+
+
+def layer_generator(seed: int, layer_idx: int) -> torch.Generator:
+    """CPU generator of one stream per (seed, layer): different layers draw different sets."""
+    return torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + layer_idx)
+
+
+def top_rows_by_chunk(layer: LayerInputs, width: int, chunk_scores: ChunkScores) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-W rows of ``chunk_scores(c0, c1, lc)`` (``[Tc, lc]``) over query chunks, and their scores.
+
+    Returns int32 rows ``[T, W]`` and fp32 scores ``[T, W]`` (``-inf`` at ``-1`` padding).
+    Chunks whose rows are all short (dense by convention) are not scored; their entries
+    get score 0.
+    """
+    rows, scores = [], []
+    for c0, c1, lc in layer.chunks():
+        lengths = layer.lengths[c0:c1]
+        if lc <= width:
+            r = dense_rows(lengths, width)
+            sc = torch.zeros(r.shape, dtype=torch.float32, device=r.device)
+        else:
+            s = chunk_scores(c0, c1, lc)
+            r = rows_from_scores(s, lengths, width)
+            sc = torch.gather(s.to(torch.float32), 1, r.to(torch.int64).clamp(min=0))
+        rows.append(r)
+        scores.append(torch.where(r >= 0, sc, float("-inf")))
+    return torch.cat(rows, dim=0), torch.cat(scores, dim=0)
+
+
+# ------------------------------------------------------------------------- proxy indexer
+
+
+def fp8_per_vector_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """The engine's fp8-e4m3 emulation with one scale per vector (last dim).
+
+    ``indexer_torch_ops.fp8_e4m3_round_trip`` with ``group_size = x.shape[-1]``: each
+    vector scaled so its absolute max maps to 448, cast to ``float8_e4m3fn`` and back
+    (3 mantissa bits), rescaled. fp32 in, fp32 out (the harness's q and k are fp32).
+    """
+    return fp8_e4m3_round_trip(x, group_size=x.shape[-1])
+
+
+def indexer_inputs(layer: LayerInputs, settings: SelectorSettings, lowrank: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q ``[H, T, D']``, k ``[Hkv, L, D']``) as the proxy indexer sees them."""
+    q, k = layer.query, layer.key
+    if lowrank:
+        D = q.shape[-1]
+        gen = layer_generator(settings.seed, layer.layer_idx)
+        # Gaussian projection with E[P P^T] = I, so (qP).(kP) estimates q.k, noisily.
+        proj = torch.randn(D, settings.lowrank_dims, generator=gen) / settings.lowrank_dims**0.5
+        proj = proj.to(q.device)
+        q, k = q @ proj, k @ proj  # [H, T, r], [Hkv, L, r]
+    if settings.fp8:
+        q, k = fp8_per_vector_round_trip(q), fp8_per_vector_round_trip(k)
+    return q, k
+
+
+def proxy_index_scores(layer: LayerInputs, q: torch.Tensor, k: torch.Tensor) -> ChunkScores:
+    """``chunk_scores`` of the proxy: ``sum_h relu(q_h[t] . k_h[s]) / H`` (``[Tc, lc]``)."""
+    H = q.shape[0]
+
+    def chunk_scores(c0: int, c1: int, lc: int) -> torch.Tensor:
+        return torch.relu(layer.head_dot(q[:, c0:c1], k[:, :lc])).sum(dim=0) / H  # [Tc, lc]
+
+    return chunk_scores
+
+
+def learned_rows_and_scores(
+    layer: LayerInputs, width: int, settings: SelectorSettings, lowrank: bool = False
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The proxy indexer's top-W rows and their scores.
+
+    **A proxy, not a trained indexer.** It keeps DSA's lightning-indexer functional form,
+    ``I[t, s] = sum_h w_h * relu(q_h[t] . k_h[s])``, but feeds it the model's own post-RoPE
+    attention q/k (fp8-e4m3 round trip per vector) with uniform weights ``w_h = 1 / H``,
+    because no trained indexer exists for these models. With ``lowrank=True`` q and k
+    are first projected to ``settings.lowrank_dims`` random dimensions per head: a
+    deliberately weak indexer. Cost: one ``[H, Tc, lc]`` product per query chunk.
+
+    Returns
+    -------
+    rows : int32 ``[T, W]``, engine convention (long rows by descending score)
+    scores : fp32 ``[T, W]``, the index score of each entry; ``-inf`` at ``-1`` padding
+    """
+    q, k = indexer_inputs(layer, settings, lowrank)
+    return top_rows_by_chunk(layer, width, proxy_index_scores(layer, q, k))
