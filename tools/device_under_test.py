@@ -2,8 +2,9 @@
 
 ``TOPOLOGY_KV_TEST_DEVICE`` (default ``cpu``) selects it; the ``*_cuda_manual`` Bazel
 twins set it to ``cuda``. Test modules import :data:`DEVICE`; the ``conftest.py`` of each
-test folder calls :func:`skip_reason` and skips every collected test when the requested
-device is missing (so a GPU target on a machine without one reports skips, not errors).
+test folder imports the two pytest hooks below, which report the device in the header and
+skip every collected test when the requested device is missing (so a GPU target on a
+machine without one reports skips, not errors).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import pytest
 import torch
 
 TEST_DEVICE_ENV = "TOPOLOGY_KV_TEST_DEVICE"
@@ -23,3 +25,16 @@ def skip_reason() -> Optional[str]:
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         return f"{TEST_DEVICE_ENV}=cuda but no CUDA device"
     return None
+
+
+def pytest_report_header(config):
+    return f"device under test: {DEVICE}"
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = skip_reason()
+    if reason is None:
+        return
+    marker = pytest.mark.skip(reason=reason)
+    for item in items:
+        item.add_marker(marker)

@@ -13,20 +13,7 @@ from rtp_llm.models_py.modules.hybrid.test.indexer_cases import (
     PREFILL_NEW,
     PREFILL_PREFIX,
 )
-from tools.device_under_test import DEVICE, skip_reason
-
-
-def pytest_report_header(config):
-    return f"device under test: {DEVICE}"
-
-
-def pytest_collection_modifyitems(config, items):
-    reason = skip_reason()
-    if reason is None:
-        return
-    marker = pytest.mark.skip(reason=reason)
-    for item in items:
-        item.add_marker(marker)
+from tools.device_under_test import pytest_collection_modifyitems, pytest_report_header  # noqa: F401 (hooks)
 
 
 @pytest.fixture(scope="module")
