@@ -17,10 +17,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from rtp_llm.models_py.modules.hybrid.topology_kv_drift import block_drift_scores, block_key_centroids
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.layer import LayerInputs
 from benchmark.quality.selector_base import Selector, SelectorSettings, learned_rows_and_scores
+from rtp_llm.models_py.modules.hybrid.topology_kv_drift import block_drift_scores, block_key_centroids
 
 _POLICY_MODULE = "rtp_llm.models_py.modules.hybrid.topology_kv_policy"
 
@@ -82,9 +82,9 @@ class PolicySettings:
     mode_overrides: Tuple[Tuple[str, Tuple[Tuple[str, object], ...]], ...] = ()
 
     def __post_init__(self) -> None:
-        _, schedule = _policy()
+        _, witness = _policy()
         try:
-            schedule.WitnessSignal.parse(self.witness_signal)
+            witness.WitnessSignal.parse(self.witness_signal)
         except ValueError as exc:
             raise UsageError(f"--policy-witness-signal: {exc}") from exc
         fields = {f.name for f in dataclasses.fields(self)} - {"mode_overrides"}
@@ -112,7 +112,6 @@ class PolicySettings:
 
 def layer_block_drift(layer: LayerInputs, block_size: int) -> torch.Tensor:
     """fp32 ``[1, N]`` L2 drift of the layer's post-RoPE key centroids, ``N = ceil(L / bs)``."""
-    _, schedule = _policy()
     keys = layer.key.transpose(0, 1)  # [Hkv, L, D] -> [L, Hkv, D], token-major like the cache
     centroids = block_key_centroids(keys, block_size=block_size)  # [N, Hkv, D]
     return block_drift_scores(centroids).unsqueeze(0)  # [1, N]
@@ -120,27 +119,27 @@ def layer_block_drift(layer: LayerInputs, block_size: int) -> torch.Tensor:
 
 def layer_witness_scores(layer: LayerInputs, block_size: int, signal: str) -> Tuple[torch.Tensor, bool]:
     """Witness scores for the layer's rows: (``[1, N]`` shared or ``[T, N]`` per row, shared?)."""
-    _, schedule = _policy()
+    _, witness = _policy()
     try:
-        signal = schedule.WitnessSignal.parse(signal)
+        signal = witness.WitnessSignal.parse(signal)
     except ValueError as exc:
         raise UsageError(f"--policy-witness-signal: {exc}") from exc
-    if signal is schedule.WitnessSignal.KEY_DRIFT:
+    if signal is witness.WitnessSignal.KEY_DRIFT:
         return layer_block_drift(layer, block_size), True
-    if signal is schedule.WitnessSignal.VALUE_DRIFT:
+    if signal is witness.WitnessSignal.VALUE_DRIFT:
         values = layer.value.transpose(0, 1)  # [L, Hkv, D]
         cents = block_key_centroids(values, block_size=block_size)
         return block_drift_scores(cents).unsqueeze(0), True
     keys = layer.key.transpose(0, 1)  # [L, Hkv, D]
     query = layer.query.transpose(0, 1)  # [H, T, D] -> [T, H, D]
-    if signal is schedule.WitnessSignal.QUERY_BOUND:
-        kmin, kmax = schedule.block_key_bounds(keys, block_size=block_size)  # [N, Hkv, D] each
-        scores = schedule.query_bound_scores(query, kmin, kmax, layer.lengths, block_size, scale=layer.scaling)
+    if signal is witness.WitnessSignal.QUERY_BOUND:
+        kmin, kmax = witness.block_key_bounds(keys, block_size=block_size)  # [N, Hkv, D] each
+        scores = witness.query_bound_scores(query, kmin, kmax, layer.lengths, block_size, scale=layer.scaling)
         return scores, False  # [T, N]
     cents = block_key_centroids(keys, block_size=block_size)  # [N, Hkv, D]
-    if signal is schedule.WitnessSignal.QUERY_MASS:
-        return schedule.query_mass_scores(query, cents, layer.lengths, block_size, scale=layer.scaling), False
-    return schedule.query_centroid_scores(query, cents), False  # [T, N]
+    if signal is witness.WitnessSignal.QUERY_MASS:
+        return witness.query_mass_scores(query, cents, layer.lengths, block_size, scale=layer.scaling), False
+    return witness.query_centroid_scores(query, cents), False  # [T, N]
 
 
 def make_policy_selector(
