@@ -7,7 +7,8 @@ graph capture and replay.
 
 Broken rows (the coordinate contract): the kernel implements the hardened rules (negative
 offset, length <= 0, ``offset + length - 1`` past the row dtype's maximum, an entry outside
-``[offset, offset + length)``, padding before a valid entry, a duplicate valid entry). A
+``[offset, offset + length)``, padding before a valid entry, a duplicate valid entry, a
+drift table with fewer columns than the row has blocks). A
 core that does not flag all of these yet is compared on the good rows only, and the broken
 rows must come back unchanged; once the core flags them (probed below), the full direct
 comparison is asserted as well.
@@ -55,7 +56,7 @@ def _t(values, dtype=torch.int64):
 # ---------------------------------------------------------------- expected values
 
 
-def broken_rows(x: torch.Tensor, lengths: torch.Tensor, offsets) -> torch.Tensor:
+def broken_rows(x: torch.Tensor, lengths: torch.Tensor, offsets, drift=None, block_size=1) -> torch.Tensor:
     """``[R]`` bool: the hardened contract's broken rows, by loops (Python ints: no overflow)."""
     imax = torch.iinfo(x.dtype).max
     out = []
@@ -71,13 +72,14 @@ def broken_rows(x: torch.Tensor, lengths: torch.Tensor, offsets) -> torch.Tensor
             or any(not (off <= v < off + length) for v in valid)
             or any(v >= 0 for v in row[n_valid:])
             or len(set(valid)) != len(valid)
+            or (drift is not None and -(-length // block_size) > drift.shape[1])  # drift too short
         )
     return torch.tensor(out, dtype=torch.bool)
 
 
-def core_safe(x, lengths, offsets) -> bool:
+def core_safe(x, lengths, offsets, drift=None, block_size=1) -> bool:
     """No row that an unhardened core mishandles: every row good, ``offset + length`` fits the row dtype."""
-    if broken_rows(x, lengths, offsets).any():
+    if broken_rows(x, lengths, offsets, drift, block_size).any():
         return False
     imax = torch.iinfo(x.dtype).max
     offs = [0] * x.shape[0] if offsets is None else offsets.cpu().tolist()
@@ -126,7 +128,7 @@ def expected(x, lengths, offsets, drift, scores, scaffold, **kw):
     The core runs on the good rows only (so it never sees a broken row); broken rows are
     the input, counted only in ``coordinate_mismatch_fallbacks``.
     """
-    broken = broken_rows(x, lengths, offsets)
+    broken = broken_rows(x, lengths, offsets, drift, kw["block_size"])
     want = x.cpu().clone()
     counters = [0] * len(COUNTER_NAMES)
     keep = (~broken).nonzero().flatten().to(x.device)
@@ -174,7 +176,7 @@ def check_equal(x, lengths, offsets=None, drift=None, scores=None, scaffold=None
     assert torch.equal(got, want), f"triton != core\n{got}\n{want}\nbroken {broken}"
     assert counters.cpu().tolist() == want_counters, dict(zip(COUNTER_NAMES, zip(counters.tolist(), want_counters)))
     assert torch.equal(mismatch.cpu(), broken)
-    if CORE_HARDENED or core_safe(x, lengths, offsets):  # the direct comparison on every row
+    if CORE_HARDENED or core_safe(x, lengths, offsets, drift, kw["block_size"]):  # direct, every row
         core_out, core_counters, core_mismatch = core_with_lazy(x, lengths, offsets, drift, scores, scaffold, **kw)
         assert torch.equal(got, core_out.cpu())
         assert counters.cpu().tolist() == core_counters

@@ -7,7 +7,8 @@ contract: a *broken* row is returned unchanged and counted only in
 ``coordinate_mismatch_fallbacks``. A row is broken if its offset is negative, its length
 is ``<= 0``, ``offset + length - 1`` exceeds the row dtype's maximum, a non-negative entry
 lies outside ``[offset, offset + length)``, a padding (negative) entry precedes a valid
-one, or a valid entry appears twice. Lengths, offsets and scaffold spans are read as int64
+one, a valid entry appears twice, or (with ``drift``) the row needs more blocks,
+``ceil(length / block_size)``, than ``drift`` has columns (the core's ``row_violations``). Lengths, offsets and scaffold spans are read as int64
 whatever their dtype (int32 or int64, independently of the rows'); the checks run in int64.
 
 Shapes and dtypes
@@ -156,6 +157,8 @@ if triton is not None:
         # ---- the row's schedule (scalars); broken rows compute garbage, masked at the end ----
         L = tl.maximum(length, 1)
         nb = (L + BS - 1) // BS
+        if HAS_DRIFT:  # the drift table must cover every block of the row
+            broken = broken | (nb > N)
         sink_end = tl.minimum(nb, SINK_BLK)
         local_start = tl.maximum(nb - LOCAL_BLOCKS, sink_end)
         if TOKEN_SINKS:
