@@ -357,7 +357,7 @@ def test_rejects_mismatched_buffers():
 
 # ---------------------------------------------------------------- property test vs the core
 
-_FLOATS = [0.0, -0.0, 1.0, 1.0, 2.0, -1.0, float("nan"), float("inf"), float("-inf"), 0.5]
+_FLOATS = [0.0, -0.0, 1.0, 1.0, 2.0, -1.0, float("nan"), float("inf"), float("-inf"), 0.5, 1.0 + 2**-30]
 
 
 @st.composite
@@ -374,7 +374,8 @@ def cases(draw):
         frac=draw(st.sampled_from([0.1, 0.25, 0.5, 1.0])), seed=draw(st.integers(0, 2**20)),
         offsets=[draw(st.sampled_from([0, 0, 7, 1000])) for _ in range(R)],
         use_offsets=draw(st.booleans()), engine_style=draw(st.booleans()), scores=draw(st.booleans()),
-        score_dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.float64])),
+        score_dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64])),
+        drift_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64])),
         drift=draw(st.booleans()), drift_extra=draw(st.integers(-2, 2)), scaffold=draw(st.booleans()),
         dtype=draw(st.sampled_from([torch.int32, torch.int64])),
         len_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
@@ -429,7 +430,7 @@ def test_triton_equals_core(case):
     drift = None
     if case["drift"]:  # few distinct values: ties; NaN, +-inf, -0.0 too
         pick = torch.randint(0, len(_FLOATS), (R, N), generator=gen)
-        drift = torch.tensor(_FLOATS)[pick].to(DEVICE)
+        drift = torch.tensor(_FLOATS)[pick].to(case["drift_dtype"]).to(DEVICE)
     scores = None
     if case["scores"]:
         pick = torch.randint(0, len(_FLOATS), (R, W), generator=gen)
@@ -460,21 +461,33 @@ def test_strided_inputs():
 # ---------------------------------------------------------------- CUDA graph
 
 
+def _graph_inputs(seed, W=64, R=8, N=40):
+    """Rows (valid entries first), lengths, drift, scores, scaffold spans for the graph test."""
+    gen = torch.Generator().manual_seed(seed)
+    L = torch.randint(1, 300, (R,), generator=gen)
+    x = torch.stack([torch.randperm(300, generator=gen)[:W] for _ in range(R)])
+    x = torch.where(x < L.unsqueeze(1), x, 10**6)  # padding sorts last
+    x = torch.sort(x, dim=1).values
+    x = torch.where(x == 10**6, -1, x)
+    return [t.to(DEVICE) for t in (x, L, torch.rand(R, N, generator=gen), torch.rand(R, W, generator=gen),
+                                   torch.randint(0, 64, (R,), generator=gen))]
+
+
+def test_graph_inputs_are_good_rows():
+    # The CUDA-graph test's inputs (checked here on any device; the graph itself needs a GPU).
+    x, L, drift, scores, scaffold = _graph_inputs(1, W=8, R=3)
+    check_equal(x, L, drift=drift, scores=scores, scaffold=scaffold,
+                **_kw(COMPRESS, 8, sink_tokens=4, local_blocks=2, witness_blocks=2, block_size=8))
+    assert not broken_rows(x, L, None, drift, 8).any()
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("mode", ENABLED_MODES)
 def test_cuda_graph_capture_and_replay(mode):
     W, R, N = 64, 8, 40
     kw = _kw(mode, W, sink_tokens=4, local_blocks=2, witness_blocks=2, block_size=8)
 
-    def inputs(seed):
-        gen = torch.Generator().manual_seed(seed)
-        L = torch.randint(1, 300, (R,), generator=gen)
-        x = torch.stack([torch.randperm(300, generator=gen)[:W] for _ in range(R)])
-        x = torch.where(x < L.unsqueeze(1), x, -1)
-        x = torch.where(torch.sort(x < 0, dim=1, stable=True).values, -1,
-                        torch.gather(x, 1, torch.sort((x < 0).to(torch.int8), dim=1, stable=True).indices))
-        return [t.to(DEVICE) for t in (x, L, torch.rand(R, N, generator=gen), torch.rand(R, W, generator=gen),
-                                       torch.randint(0, 64, (R,), generator=gen))]
+    inputs = _graph_inputs
 
     bufs = inputs(0)
     out = torch.empty_like(bufs[0])

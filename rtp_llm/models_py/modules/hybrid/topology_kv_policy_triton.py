@@ -48,7 +48,7 @@ Constexpr parameters: ``BLOCK_W`` (pow2 >= W), ``BLOCK_S`` (pow2 >= S, the struc
 slots ``S = S_SINK + (LOCAL_BLOCKS + N_WIT) * BS``), ``BLOCK_N`` (pow2 >= drift's N),
 ``BS`` (block size, any value >= 1), ``S_SINK``, ``SINK_BLK`` (blocks wholly sink),
 ``SINK_TOKENS``, ``TOKEN_SINKS``, ``PARTIAL_SINK``, ``LOCAL_BLOCKS``, ``N_WIT``,
-``STRUCT_CAP``, ``ONLY``, ``COMPRESS``, ``HAS_OFF``, ``HAS_DRIFT``, ``HAS_SCORES``,
+``STRUCT_CAP``, ``ONLY``, ``COMPRESS``, ``COMP_START_BLK``, ``HAS_OFF``, ``HAS_DRIFT``, ``HAS_SCORES``,
 ``SCALE_BUDGET``, ``IDX_MAX`` (row dtype's maximum), ``WRITE_MISMATCH``. ``W`` and
 ``N`` are runtime values.
 
@@ -125,6 +125,7 @@ if triton is not None:
         BS: tl.constexpr, S_SINK: tl.constexpr, SINK_BLK: tl.constexpr, SINK_TOKENS: tl.constexpr,
         TOKEN_SINKS: tl.constexpr, PARTIAL_SINK: tl.constexpr, LOCAL_BLOCKS: tl.constexpr,
         N_WIT: tl.constexpr, STRUCT_CAP: tl.constexpr, ONLY: tl.constexpr, COMPRESS: tl.constexpr,
+        COMP_START_BLK: tl.constexpr,
         HAS_OFF: tl.constexpr, HAS_DRIFT: tl.constexpr, HAS_SCORES: tl.constexpr,
         SCALE_BUDGET: tl.constexpr, IDX_MAX: tl.constexpr, WRITE_MISMATCH: tl.constexpr,
     ):
@@ -171,7 +172,6 @@ if triton is not None:
             comp_blk_end = tl.maximum(tl.minimum(scaf, L), 0) // BS  # blocks wholly inside
         else:
             comp_blk_end = tl.zeros([], dtype=tl.int64)
-        COMP_START_BLK: tl.constexpr = (SINK_TOKENS + BS - 1) // BS if TOKEN_SINKS else 0
 
         # ---- priority-order slot layout: [sink | local newest first | witness] ----
         p = tl.arange(0, BLOCK_S)
@@ -432,6 +432,7 @@ def topology_kv_policy_triton(
         SINK_TOKENS=int(sink_tokens) if token_sinks else 0, TOKEN_SINKS=token_sinks,
         PARTIAL_SINK=token_sinks and int(sink_tokens) % bs != 0, LOCAL_BLOCKS=int(local_blocks),
         N_WIT=n_wit, STRUCT_CAP=int(structural_cap), ONLY=only, COMPRESS=compress,
+        COMP_START_BLK=-(-int(sink_tokens) // bs) if token_sinks else 0,  # blocks holding sinks stay whole
         HAS_OFF=offsets is not None, HAS_DRIFT=drift is not None, HAS_SCORES=scores is not None,
         SCALE_BUDGET=bool(scale_budget_by_length) and not only, IDX_MAX=torch.iinfo(x.dtype).max,
         WRITE_MISMATCH=mismatch_rows is not None,
