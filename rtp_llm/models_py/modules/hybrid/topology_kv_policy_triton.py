@@ -366,6 +366,28 @@ def topology_kv_policy_triton(
     ``(out, counters)``. Nothing is read on the host and, with ``out`` and ``counters``
     given, nothing is allocated: the call can be captured in a CUDA graph.
     """
+    out, counters, launch = _launch_spec(
+        topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, mode=mode,
+        sink_blocks=sink_blocks, local_blocks=local_blocks, witness_blocks=witness_blocks, block_size=block_size,
+        structural_cap=structural_cap, sink_tokens=sink_tokens, scale_budget_by_length=scale_budget_by_length,
+        out=out, counters=counters, mismatch_rows=mismatch_rows,
+    )
+    if launch is not None:  # None: no rows
+        args, constexprs, num_warps = launch
+        _topology_kv_policy_kernel[(topk_indices.shape[0],)](*args, **constexprs, num_warps=num_warps)
+    return out, counters
+
+
+def _launch_spec(
+    topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, *, mode, sink_blocks, local_blocks,
+    witness_blocks, block_size, structural_cap, sink_tokens, scale_budget_by_length, out, counters, mismatch_rows,
+):
+    """Validate (metadata only), allocate missing buffers, and build the kernel's arguments.
+
+    Returns ``(out, counters, launch)``; ``launch`` is ``(args, constexprs, num_warps)`` for
+    ``_topology_kv_policy_kernel`` with grid ``(R,)``, or None when ``R == 0``. Also used
+    by the tests to compile the kernel for a GPU target ahead of time (no GPU needed).
+    """
     mode = TopologyKVPolicyMode.parse(mode)
     if mode is TopologyKVPolicyMode.DISABLED:
         raise ValueError("mode: expected an enabled TopologyKVPolicyMode, got disabled")
@@ -403,7 +425,7 @@ def topology_kv_policy_triton(
     ):
         raise ValueError(f"mismatch_rows: expected bool [{R}] on {dev}")
     if R == 0:
-        return out, counters
+        return out, counters, None
 
     bs = int(block_size)
     token_sinks = sink_tokens is not None
@@ -415,7 +437,7 @@ def topology_kv_policy_triton(
     scores = None if only else learned_scores
     block_w = _pow2(W)
     block_s = _pow2(S)
-    _topology_kv_policy_kernel[(R,)](
+    args = (
         x, x.stride(0), x.stride(1),
         out, out.stride(0), out.stride(1),
         lengths, lengths.stride(0),
@@ -427,6 +449,8 @@ def topology_kv_policy_triton(
         scaffold_lengths if compress else dummy, scaffold_lengths.stride(0) if compress else 0,
         counters, dummy if mismatch_rows is None else mismatch_rows,
         W,
+    )
+    constexprs = dict(
         BLOCK_W=block_w, BLOCK_S=block_s, BLOCK_N=_pow2(N),
         BS=bs, S_SINK=s_sink, SINK_BLK=(int(sink_tokens) // bs) if token_sinks else int(sink_blocks),
         SINK_TOKENS=int(sink_tokens) if token_sinks else 0, TOKEN_SINKS=token_sinks,
@@ -436,6 +460,5 @@ def topology_kv_policy_triton(
         HAS_OFF=offsets is not None, HAS_DRIFT=drift is not None, HAS_SCORES=scores is not None,
         SCALE_BUDGET=bool(scale_budget_by_length) and not only, IDX_MAX=torch.iinfo(x.dtype).max,
         WRITE_MISMATCH=mismatch_rows is not None,
-        num_warps=4 if max(block_w, block_s) <= 1024 else 8,
     )
-    return out, counters
+    return out, counters, (args, constexprs, 4 if max(block_w, block_s) <= 1024 else 8)
