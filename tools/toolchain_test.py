@@ -40,15 +40,24 @@ _needs_venv = pytest.mark.skipif(
 
 
 def _locked_versions() -> dict[str, str]:
-    """{normalized name: version} from requirements.txt (`name==version  # comment`)."""
+    """{normalized name: version} from requirements.txt (`name==version --hash=sha256:...  # comment`)."""
     root = Path.cwd() if _UNDER_BAZEL else _REPO_ROOT  # Bazel: cwd is the runfiles root
     pins = {}
     for line in (root / "requirements.txt").read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
+        line = line.split(" #", 1)[0].split("--hash=", 1)[0].strip()
+        if line and not line.startswith("#"):
             name, version = line.split("==")
             pins[re.sub(r"[-_.]+", "-", name).lower()] = version
     return pins
+
+
+def test_every_pin_carries_a_sha256_hash():
+    """The lock is installed with --require-hashes: every pin names the bytes it means."""
+    root = Path.cwd() if _UNDER_BAZEL else _REPO_ROOT
+    pins = [l for l in (root / "requirements.txt").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    assert pins, "requirements.txt has no pins"
+    unhashed = [l for l in pins if not re.search(r"--hash=sha256:[0-9a-f]{64}\b", l)]
+    assert not unhashed, f"pins without a sha256 hash: {unhashed}"
 
 
 @_needs_venv
