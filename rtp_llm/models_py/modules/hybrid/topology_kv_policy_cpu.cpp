@@ -1,0 +1,402 @@
+// The topology KV candidate policy as one fused CPU pass per row, rows in parallel.
+//
+// Same semantics as topology_kv_policy_core (its docstring is the specification); the
+// Python wrapper (topology_kv_policy_cpu.py) validates metadata, converts float inputs to
+// fp32 exactly as the core does, and calls `run` below. Per row, sequentially:
+//
+//  1. load the row (int64), check the coordinate contract (offset, length, dtype overflow,
+//     interval, padding order, duplicates by a per-thread bitmap over the row's interval or
+//     a sort for huge intervals, drift coverage); a broken row is copied unchanged;
+//  2. schedule: sink / local blocks by arithmetic, witness blocks by a partial sort of the
+//     eligible blocks' unique int64 keys (fp32 drift bits made monotone, NaN as -inf,
+//     -0.0 as +0.0, the block reversed in the low 32 bits: ties to the lower block), and
+//     expand them to the structural tokens in priority order (tok[S]);
+//  3. map every learned entry to its priority slot by arithmetic (witness blocks through a
+//     per-thread block -> pick table), marking the slots the row already holds;
+//  4. merge modes: one walk over the slots gives the target prefix (<= W tokens, <= cap
+//     missing) and the injected tokens; eviction takes the row's last non-structural
+//     entries, or with scores the lowest keys (fp32 bits, column reversed: the later
+//     column loses a tie) by nth_element + sort of the evicted prefix; the rest fills the
+//     padding after the valid entries. TOPOLOGY_ONLY: the first W structural tokens.
+//  5. counters per chunk of rows, added atomically to the caller's int64 buffer.
+
+#include <torch/python.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBitmapMaxLength = int64_t(1) << 24;  // larger intervals: duplicates by sort
+constexpr int kCounters = 8;
+
+struct Params {
+  int64_t R, W;
+  const void* x; int64_t sx0, sx1;
+  void* out; int64_t so0, so1;
+  const void* len; int64_t slen; bool len64;
+  const void* off; int64_t soff; bool off64; bool has_off;
+  const float* drift; int64_t sd0, sd1, N; bool has_drift;
+  const float* scores; int64_t ss0, ss1; bool has_scores;
+  const void* scaf; int64_t sscaf; bool scaf64; bool compress;
+  int64_t* counters; int64_t scnt;
+  bool* mismatch; int64_t smis;
+  bool only;
+  int64_t sink_blocks, local_blocks, n_wit, bs, cap;
+  bool token_sinks; int64_t sink_tokens;
+  bool scale;
+};
+
+inline int64_t read_int(const void* p, bool is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : int64_t(static_cast<const int32_t*>(p)[i]);
+}
+
+inline int64_t floor_div(int64_t a, int64_t b) {  // b > 0
+  int64_t q = a / b;
+  return (a % b != 0 && a < 0) ? q - 1 : q;
+}
+
+// Order-preserving int of an fp32 score (score_sort_keys): NaN as -inf, -0.0 as +0.0.
+inline int64_t score_bits(float s) {
+  if (std::isnan(s)) s = -std::numeric_limits<float>::infinity();
+  if (s == 0.0f) s = 0.0f;
+  int32_t bits;
+  std::memcpy(&bits, &s, sizeof(bits));
+  return int64_t(bits < 0 ? (bits ^ 0x7FFFFFFF) : bits);
+}
+
+constexpr int64_t kShift = int64_t(1) << 32;
+
+struct Scratch {
+  std::vector<int64_t> xr, res, tok, inj, keys, wit, pos;
+  std::vector<int32_t> ps, wit_of;
+  std::vector<uint8_t> flag;  // per priority slot: 1 present, 2 taken
+  std::vector<uint64_t> bitmap;
+};
+
+template <typename T>
+void run_rows(const Params& P, int64_t begin, int64_t end) {
+  const int64_t W = P.W, bs = P.bs;
+  const bool token_sinks = P.token_sinks;
+  const int64_t sink_blk = token_sinks ? P.sink_tokens / bs : P.sink_blocks;
+  const bool partial = token_sinks && (P.sink_tokens % bs != 0);
+  const int64_t S_sink = token_sinks ? P.sink_tokens : P.sink_blocks * bs;
+  const int64_t l_tok = P.local_blocks * bs;
+  const int64_t n_wit = P.n_wit;
+  const int64_t S = S_sink + l_tok + n_wit * bs;
+  const int64_t comp_start_blk = token_sinks ? (P.sink_tokens + bs - 1) / bs : 0;
+  const int64_t imax = std::numeric_limits<T>::max();
+
+  Scratch s;
+  s.xr.resize(W);
+  s.res.resize(W);
+  s.pos.resize(W);
+  s.ps.resize(W);
+  s.tok.resize(S);
+  s.inj.resize(S);
+  s.flag.assign(S, 0);
+  s.wit.resize(n_wit);
+  if (P.has_drift) s.wit_of.assign(P.N, -1);
+  int64_t acc[kCounters] = {0, 0, 0, 0, 0, 0, 0, 0};
+
+  for (int64_t r = begin; r < end; ++r) {
+    const T* xrow = static_cast<const T*>(P.x) + r * P.sx0;
+    T* orow = static_cast<T*>(P.out) + r * P.so0;
+    int64_t* xr = s.xr.data();
+
+    // ---- 1. load the row and check the contract ----
+    int64_t n_valid = 0;
+    bool seen_pad = false, late = false;
+    for (int64_t c = 0; c < W; ++c) {
+      const int64_t v = int64_t(xrow[c * P.sx1]);
+      xr[c] = v;
+      if (v >= 0) {
+        ++n_valid;
+        late |= seen_pad;
+      } else {
+        seen_pad = true;
+      }
+    }
+    const int64_t length = read_int(P.len, P.len64, r * P.slen);
+    const int64_t off = P.has_off ? read_int(P.off, P.off64, r * P.soff) : 0;
+    bool broken = late || off < 0 || length <= 0 || length - 1 > imax - off;
+    int64_t nb = 0;
+    if (!broken) {
+      for (int64_t c = 0; c < n_valid; ++c) {
+        const int64_t v = xr[c];
+        broken |= (v < off) | (v - off >= length);
+      }
+      nb = (length - 1) / bs + 1;
+      if (P.has_drift && nb > P.N) broken = true;
+    }
+    if (!broken && n_valid > 1) {  // duplicates
+      if (length <= kBitmapMaxLength) {
+        const size_t words = size_t((length + 63) >> 6);
+        if (s.bitmap.size() < words) s.bitmap.resize(words, 0);
+        uint64_t* bm = s.bitmap.data();
+        int64_t c = 0;
+        for (; c < n_valid; ++c) {
+          const int64_t t = xr[c] - off;
+          const uint64_t bit = uint64_t(1) << (t & 63);
+          if (bm[t >> 6] & bit) { broken = true; break; }
+          bm[t >> 6] |= bit;
+        }
+        for (int64_t k = 0; k < c; ++k) {  // clear what was set
+          const int64_t t = xr[k] - off;
+          bm[t >> 6] &= ~(uint64_t(1) << (t & 63));
+        }
+      } else {
+        std::vector<int64_t>& v = s.pos;
+        std::copy(xr, xr + n_valid, v.begin());
+        std::sort(v.begin(), v.begin() + n_valid);
+        for (int64_t c = 1; c < n_valid; ++c) broken |= v[c] == v[c - 1];
+      }
+    }
+    if (P.mismatch) P.mismatch[r * P.smis] = broken;
+    if (broken) {  // returned exactly as it came
+      for (int64_t c = 0; c < W; ++c) orow[c * P.so1] = xrow[c * P.sx1];
+      acc[5] += 1;
+      continue;
+    }
+
+    // ---- 2. the schedule and the structural tokens in priority order ----
+    const int64_t L = length;
+    const int64_t sink_end = std::min(nb, sink_blk);
+    const int64_t local_start = std::max(std::max<int64_t>(nb - P.local_blocks, 0), sink_end);
+    const int64_t sink_tok_end = token_sinks ? std::min(S_sink, L) : std::min(sink_end * bs, L);
+    const int64_t local_tok_start = local_start * bs;
+    int64_t comp_blk_end = 0;  // compress: blocks [comp_start_blk, comp_blk_end) keep one token
+    if (P.compress) {
+      const int64_t span = std::min(read_int(P.scaf, P.scaf64, r * P.sscaf), L);
+      comp_blk_end = floor_div(span, bs);
+    }
+    auto compressed = [&](int64_t blk) { return blk >= comp_start_blk && blk < comp_blk_end; };
+
+    int64_t* wit = s.wit.data();
+    const int64_t eligible = std::max<int64_t>(local_start - sink_end, 0);
+    if (P.has_drift) {
+      const int64_t k = std::min(n_wit, eligible);
+      if (k > 0) {
+        s.keys.resize(eligible);
+        int64_t* key = s.keys.data();
+        const float* d = P.drift + r * P.sd0;
+        for (int64_t b = sink_end; b < local_start; ++b)
+          key[b - sink_end] = score_bits(d[b * P.sd1]) * kShift + (P.N - 1 - b);
+        if (k < eligible)
+          std::partial_sort(key, key + k, key + eligible, std::greater<int64_t>());
+        else
+          std::sort(key, key + eligible, std::greater<int64_t>());
+        for (int64_t j = 0; j < k; ++j) wit[j] = P.N - 1 - (key[j] & 0xFFFFFFFF);
+      }
+      for (int64_t j = std::max<int64_t>(k, 0); j < n_wit; ++j) wit[j] = -1;
+      for (int64_t j = 0; j < k; ++j) s.wit_of[wit[j]] = int32_t(j);
+    } else {  // fallback scores = block index: the blocks right below the locals
+      for (int64_t j = 0; j < n_wit; ++j) {
+        const int64_t b = local_start - 1 - j;
+        wit[j] = b >= sink_end ? b : -1;
+      }
+    }
+
+    int64_t* tok = s.tok.data();
+    int64_t n_comp = 0;
+    for (int64_t p = 0; p < S_sink; ++p) {  // sinks ascending
+      int64_t t = p;
+      if (!token_sinks) {
+        const int64_t blk = p / bs;
+        if (blk >= sink_end) t = -1;
+        else if (P.compress && compressed(blk) && p % bs != 0) t = -1;
+      }
+      tok[p] = t < L ? t : -1;
+    }
+    if (P.compress && !token_sinks)
+      for (int64_t blk = 0; blk < sink_end; ++blk) n_comp += compressed(blk);
+    for (int64_t q = 0; q < l_tok; ++q) {  // locals: layout q, priority newest first
+      const int64_t blk = local_start + q / bs;
+      int64_t t = blk * bs + q % bs;
+      if (blk >= nb || t >= L || (partial && t < P.sink_tokens)) t = -1;
+      else if (P.compress && compressed(blk) && q % bs != 0) t = -1;
+      tok[S_sink + l_tok - 1 - q] = t;
+    }
+    if (P.compress)
+      for (int64_t blk = local_start; blk < std::min(local_start + P.local_blocks, nb); ++blk)
+        n_comp += compressed(blk);
+    for (int64_t j = 0; j < n_wit; ++j) {  // witnesses in score order, tokens ascending
+      const int64_t blk = wit[j];
+      const bool comp = P.compress && blk >= 0 && compressed(blk);
+      n_comp += comp;
+      int64_t* dst = tok + S_sink + l_tok + j * bs;
+      for (int64_t i = 0; i < bs; ++i) {
+        int64_t t = blk * bs + i;
+        if (blk < 0 || t >= L || (partial && t < P.sink_tokens) || (comp && i != 0)) t = -1;
+        dst[i] = t;
+      }
+    }
+
+    // ---- 3. learned entries -> priority slot (S: not structural) ----
+    int32_t* ps = s.ps.data();
+    uint8_t* flag = s.flag.data();
+    const int64_t local_lo = std::max(local_tok_start, sink_tok_end);
+    for (int64_t c = 0; c < n_valid; ++c) {
+      const int64_t rel = xr[c] - off;
+      int64_t slot = S;
+      if (rel < sink_tok_end) {
+        slot = rel;
+      } else if (l_tok > 0 && rel >= local_lo) {
+        slot = S_sink + l_tok - 1 - (rel - local_tok_start);
+      } else if (n_wit > 0) {
+        const int64_t b = rel / bs;
+        int64_t j = -1;
+        if (P.has_drift) {
+          j = s.wit_of[b];
+        } else if (b >= sink_end && b < local_start && local_start - 1 - b < n_wit) {
+          j = local_start - 1 - b;
+        }
+        if (j >= 0) slot = S_sink + l_tok + j * bs + rel % bs;
+      }
+      if (P.compress && rel % bs != 0 && compressed(rel / bs)) slot = S;
+      if (slot < S && tok[slot] != rel) slot = S;  // an invalid slot holds nothing
+      ps[c] = int32_t(slot);
+      if (slot < S) flag[slot] = 1;
+    }
+    if (P.has_drift)
+      for (int64_t j = 0; j < n_wit && wit[j] >= 0; ++j) s.wit_of[wit[j]] = -1;
+
+    int64_t* res = s.res.data();
+    int64_t n_sel, n_inj, n_kept, n_evict;
+    if (P.only) {
+      // ---- TOPOLOGY_ONLY: the first W structural tokens in priority order ----
+      int64_t k = 0;
+      for (int64_t p = 0; p < S && k < W; ++p) {
+        if (tok[p] < 0) continue;
+        flag[p] |= 2;
+        res[k++] = tok[p] + off;
+      }
+      n_sel = k;
+      for (; k < W; ++k) res[k] = -1;
+      n_kept = 0;
+      for (int64_t c = 0; c < n_valid; ++c) n_kept += ps[c] < S && (flag[ps[c]] & 2);
+      n_inj = n_sel - n_kept;
+      n_evict = n_valid - n_kept;
+    } else {
+      // ---- 4. merge: target prefix, injected tokens, eviction, fill ----
+      int64_t cap = P.cap;
+      if (P.scale) cap = floor_div(P.cap * W, std::max(L, W));
+      int64_t* inj = s.inj.data();
+      int64_t rank_valid = 0, new_rank = 0;
+      n_inj = 0;
+      for (int64_t p = 0; p < S; ++p) {
+        if (tok[p] < 0) continue;
+        ++rank_valid;
+        const bool is_new = !(flag[p] & 1);
+        new_rank += is_new;
+        if (rank_valid > W || new_rank > cap) break;  // both only grow: the rest is not taken
+        flag[p] |= 2;
+        if (is_new) inj[n_inj++] = tok[p] + off;
+      }
+      n_evict = std::max<int64_t>(n_valid + n_inj - W, 0);
+      for (int64_t c = 0; c < W; ++c) res[c] = c < n_valid ? xr[c] : -1;
+      auto is_struct = [&](int64_t c) { return ps[c] < S && (flag[ps[c]] & 2); };
+      if (n_evict > 0) {
+        if (!P.has_scores) {  // the row's last n_evict non-structural entries, in row order
+          int64_t* pos = s.pos.data();
+          int64_t cnt = 0;
+          for (int64_t c = n_valid - 1; c >= 0 && cnt < n_evict; --c)
+            if (!is_struct(c)) pos[cnt++] = c;
+          for (int64_t e = 0; e < cnt; ++e) res[pos[cnt - 1 - e]] = inj[e];
+        } else {  // lowest score first, ties: the later column first
+          s.keys.resize(W);
+          int64_t* key = s.keys.data();
+          const float* sc = P.scores + r * P.ss0;
+          int64_t n = 0;
+          for (int64_t c = 0; c < n_valid; ++c)
+            if (!is_struct(c)) key[n++] = score_bits(sc[c * P.ss1]) * kShift + (W - 1 - c);
+          const int64_t k = std::min(n_evict, n);
+          if (k < n) std::nth_element(key, key + k, key + n);
+          std::sort(key, key + k);
+          for (int64_t e = 0; e < k; ++e) res[W - 1 - (key[e] & 0xFFFFFFFF)] = inj[e];
+        }
+      }
+      for (int64_t e = n_evict; e < n_inj; ++e) res[n_valid + e - n_evict] = inj[e];
+      n_kept = n_valid - n_evict;
+      n_sel = n_kept + n_inj;
+    }
+    std::memset(flag, 0, size_t(S));
+    for (int64_t c = 0; c < W; ++c) orow[c * P.so1] = T(res[c]);
+
+    acc[0] += n_sel;
+    acc[1] += n_inj;
+    acc[2] += n_kept;
+    acc[3] += n_evict;
+    acc[4] += L - n_sel;
+    acc[6] += n_comp;
+    acc[7] += n_comp * (bs - 1);
+  }
+  for (int i = 0; i < kCounters; ++i)
+    if (acc[i]) __atomic_fetch_add(P.counters + i * P.scnt, acc[i], __ATOMIC_RELAXED);
+}
+
+const void* opt_ptr(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
+
+// All arguments validated by the Python wrapper (shapes, dtypes, devices; drift and
+// scores already fp32). `n_wit` is the witness picks (TOPOLOGY_ONLY: ceil(W / bs) + 1);
+// `sink_tokens` < 0 selects whole sink blocks.
+void run(const at::Tensor& x, const at::Tensor& out, const at::Tensor& lengths,
+         const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& drift,
+         const c10::optional<at::Tensor>& scores, const c10::optional<at::Tensor>& scaffold,
+         const at::Tensor& counters, const c10::optional<at::Tensor>& mismatch, bool only, bool compress,
+         int64_t sink_blocks, int64_t local_blocks, int64_t n_wit, int64_t block_size, int64_t structural_cap,
+         int64_t sink_tokens, bool scale, int64_t grain) {
+  Params P{};
+  P.R = x.size(0);
+  P.W = x.size(1);
+  if (P.R == 0) return;
+  P.x = x.data_ptr(); P.sx0 = x.stride(0); P.sx1 = x.stride(1);
+  P.out = out.data_ptr(); P.so0 = out.stride(0); P.so1 = out.stride(1);
+  P.len = lengths.data_ptr(); P.slen = lengths.stride(0); P.len64 = lengths.scalar_type() == at::kLong;
+  P.has_off = offsets.has_value();
+  P.off = opt_ptr(offsets);
+  P.soff = P.has_off ? offsets->stride(0) : 0;
+  P.off64 = P.has_off && offsets->scalar_type() == at::kLong;
+  P.has_drift = drift.has_value();
+  P.drift = P.has_drift ? drift->data_ptr<float>() : nullptr;
+  P.sd0 = P.has_drift ? drift->stride(0) : 0;
+  P.sd1 = P.has_drift ? drift->stride(1) : 0;
+  P.N = P.has_drift ? drift->size(1) : 0;
+  P.has_scores = scores.has_value();
+  P.scores = P.has_scores ? scores->data_ptr<float>() : nullptr;
+  P.ss0 = P.has_scores ? scores->stride(0) : 0;
+  P.ss1 = P.has_scores ? scores->stride(1) : 0;
+  P.compress = compress;
+  P.scaf = compress ? scaffold->data_ptr() : nullptr;
+  P.sscaf = compress ? scaffold->stride(0) : 0;
+  P.scaf64 = compress && scaffold->scalar_type() == at::kLong;
+  P.counters = counters.data_ptr<int64_t>();
+  P.scnt = counters.stride(0);
+  P.mismatch = mismatch.has_value() ? mismatch->data_ptr<bool>() : nullptr;
+  P.smis = mismatch.has_value() ? mismatch->stride(0) : 0;
+  P.only = only;
+  P.sink_blocks = sink_blocks;
+  P.local_blocks = local_blocks;
+  P.n_wit = n_wit;
+  P.bs = block_size;
+  P.cap = structural_cap;
+  P.token_sinks = sink_tokens >= 0;
+  P.sink_tokens = sink_tokens >= 0 ? sink_tokens : 0;
+  P.scale = scale;
+  const bool i64 = x.scalar_type() == at::kLong;
+  at::parallel_for(0, P.R, std::max<int64_t>(grain, 1), [&](int64_t b, int64_t e) {
+    if (i64) run_rows<int64_t>(P, b, e);
+    else run_rows<int32_t>(P, b, e);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("run", &run, "topology KV policy, one fused pass per row (see topology_kv_policy_cpu.py)");
+}
