@@ -554,3 +554,229 @@ def test_counter_names_cover_the_contract():
     assert res.schedule_ms is None
     timed = apply_topology_kv_policy(_t([[0, 1]]), _t([2]), config=_cfg(MERGE), measure_time=True)
     assert timed.schedule_ms is not None and timed.schedule_ms >= 0.0
+
+
+# ---------------------------------------------------------------- contract hardening (issue 12)
+
+I32_MAX = 2**31 - 1
+
+
+def _fallback(mode=MERGE, **kw):
+    return _cfg(mode, coordinate_mismatch_action=FALLBACK, **kw)
+
+
+@pytest.mark.parametrize("mode", ENABLED_MODES)
+def test_duplicate_entries_make_a_row_broken(mode):
+    # Issue 12.1: a row holding the same valid position twice is broken: returned
+    # unchanged and counted under FALLBACK_DISABLED, ValueError naming row and value under RAISE.
+    x = _t([[0, 10, 37, 11, 20, 21, 22, 23], [5, 9, 5, -1, -1, -1, -1, -1]])
+    res = apply_topology_kv_policy(x, _t([40, 40]), config=_fallback(mode))
+    assert res.indices[1].tolist() == x[1].tolist()
+    assert res.indices[0].tolist() != x[0].tolist()
+    assert res.counters.to_dict()["coordinate_mismatch_fallbacks"] == 1
+    with pytest.raises(ValueError, match="row 1 holds 5 twice"):
+        apply_topology_kv_policy(x, _t([40, 40]), config=_cfg(mode))
+
+
+@pytest.mark.parametrize("mode", ENABLED_MODES)
+def test_int32_interval_ending_at_2_pow_31_is_valid(mode):
+    # Issue 12.2: offset + length is 2**31, one past the int32 range; the row is valid.
+    off = 2**31 - 40
+    x = _t([[off + t for t in (1, 2, 3, 30)] + [-1] * 4], dtype=torch.int32)
+    L, O = _t([40], dtype=torch.int32), _t([off], dtype=torch.int32)
+    res = apply_topology_kv_policy(x, L, config=_fallback(mode), topk_indices_offset=O)
+    assert res.counters.to_dict()["coordinate_mismatch_fallbacks"] == 0
+    want, _, bad = ref.reference_topology_policy(
+        x.cpu(), L.cpu(), mode=mode.value, sink_blocks=1, local_blocks=1, witness_blocks=1, block_size=4,
+        max_structural_fraction=0.5, offsets=O.cpu(),
+    )
+    assert bad == [] and torch.equal(res.indices.cpu(), want)
+    check_topk_coordinates(x, L, O)  # no error
+    apply_topology_kv_policy(x, L, config=_cfg(mode), topk_indices_offset=O)  # RAISE: no error
+
+
+@pytest.mark.parametrize("mode", ENABLED_MODES)
+@pytest.mark.parametrize(
+    "row, length, offset, what",
+    [
+        ([0, 1, 2, -1], 10, -5, "offset -5"),  # negative offset (TOPOLOGY_ONLY emitted -5)
+        ([-1, -1, -1, -1], 0, 0, "length 0"),
+        ([-1, -1, -1, -1], -3, 0, "length -3"),
+        ([I32_MAX - 3, -1, -1, -1], 20, I32_MAX - 9, "past the int32 range"),  # offset+length-1 > max
+    ],
+)
+def test_negative_offset_empty_and_overflowing_rows_are_broken(mode, row, length, offset, what):
+    # Issue 12.3: offset < 0, length <= 0, and offset + length - 1 > dtype max break a row.
+    x = _t([row, [0, 1, -1, -1]], dtype=torch.int32)
+    L, O = _t([length, 4]), _t([offset, 0])  # int64 lengths/offsets with int32 rows
+    res = apply_topology_kv_policy(x, L, config=_fallback(mode), topk_indices_offset=O)
+    assert res.indices[0].tolist() == row
+    assert res.counters.to_dict()["coordinate_mismatch_fallbacks"] == 1
+    with pytest.raises(ValueError, match=f"row 0.*{what}"):
+        check_topk_coordinates(x, L, O)
+
+
+@pytest.mark.parametrize("mode", ENABLED_MODES)
+def test_int64_lengths_with_int32_rows_are_not_truncated(mode):
+    # Issue 12.4: 2**32 + 5 used to be truncated to 5 (so the row was processed as length 5).
+    x = _t([[0, 1, 2, -1, -1, -1, -1, -1]], dtype=torch.int32)
+    res = apply_topology_kv_policy(x, _t([2**32 + 5]), config=_fallback(mode))
+    assert res.indices.tolist() == x.tolist()
+    assert res.counters.to_dict()["coordinate_mismatch_fallbacks"] == 1
+    # An int64 offset past the int32 range is not truncated either (2**32 would read as 0).
+    res = apply_topology_kv_policy(x, _t([8]), config=_fallback(mode), topk_indices_offset=_t([2**32]))
+    assert res.indices.tolist() == x.tolist()
+    assert res.counters.to_dict()["coordinate_mismatch_fallbacks"] == 1
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("mode", ENABLED_MODES)
+def test_zero_width_is_rejected(mode, validate):
+    # Issue 12.6: W == 0 used to crash with an IndexError inside the core.
+    with pytest.raises(ValueError, match="topk_indices: expected W >= 1"):
+        apply_topology_kv_policy(torch.zeros(2, 0, dtype=torch.int32, device=DEVICE), _t([4, 4]),
+                                 config=_fallback(mode), validate=validate)
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts reads of tensor values by the host (each one a device sync on a GPU)."""
+
+    READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+             torch.Tensor.__index__, torch.Tensor.tolist}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_check_topk_coordinates_reads_the_host_once_on_success():
+    # Issue 12.8: the success path used to read four values (and sort on the host's behalf).
+    x = _t([_engine_row(40, 8, chosen=range(10, 18)), _engine_row(5, 8)], dtype=torch.int32)
+    with _HostReads() as reads:
+        check_topk_coordinates(x, _t([40, 5]), _t([0, 0]))
+    assert reads.count == 1
+    with _HostReads() as reads:
+        apply_topology_kv_policy(x, _t([40, 5]), config=_cfg(MERGE))
+    assert reads.count == 1
+    with _HostReads() as reads:  # FALLBACK_DISABLED never reads
+        apply_topology_kv_policy(x, _t([40, 5]), config=_fallback())
+    assert reads.count == 0
+
+
+@pytest.mark.parametrize("mode", ENABLED_MODES)
+def test_drift_table_shorter_than_a_row_makes_the_row_broken(mode):
+    # Issue 12.9: a drift table with N = 3 blocks cannot score the 10 blocks of a length-40
+    # row (block 4); it used to restrict the witnesses silently to blocks 0..2. The
+    # length-12 row needs 3 blocks and is processed.
+    drift = torch.ones(2, 3, device=DEVICE)
+    x = _t([[20, 21, 22, -1, -1, -1, -1, -1], [4, 5, -1, -1, -1, -1, -1, -1]])
+    res = apply_topology_kv_policy(x, _t([40, 12]), config=_fallback(mode), block_drift_scores=drift)
+    assert res.indices[0].tolist() == x[0].tolist()
+    assert res.indices[1].tolist() != x[1].tolist()
+    assert res.counters.to_dict()["coordinate_mismatch_fallbacks"] == 1
+    with pytest.raises(ValueError, match="block_drift_scores: .*row 0 needs 10 blocks"):
+        apply_topology_kv_policy(x, _t([40, 12]), config=_cfg(mode), block_drift_scores=drift)
+
+
+def _broken_row(row, length, off, dtype, table_blocks, bs):
+    """The broken-row rule, written out (docs/architecture.md, "The policy's contract")."""
+    if off < 0 or length <= 0 or off + length - 1 > torch.iinfo(dtype).max:
+        return True
+    n = sum(1 for v in row if v >= 0)
+    vals = row[:n]
+    if any(v >= 0 for v in row[n:]) or any(not off <= v < off + length for v in vals):
+        return True
+    if len(set(vals)) != n:
+        return True
+    return table_blocks is not None and -(-length // bs) > table_blocks
+
+
+@st.composite
+def adversarial_cases(draw):
+    dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    len_dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    off_dtype = draw(st.sampled_from([None, torch.int32, torch.int64]))
+    W = draw(st.sampled_from([1, 2, 5, 8]))
+    R = draw(st.integers(1, 4))
+    big = [2**31, 2**32 + 5] if len_dtype is torch.int64 else []
+    lengths = [draw(st.sampled_from([-3, 0, 1, 2, 5, 8, 17, 40] + big)) for _ in range(R)]
+    big_off = [2**40] if off_dtype is torch.int64 else []
+    offsets = [0] * R if off_dtype is None else [
+        draw(st.sampled_from([0, 0, 7, -5, I32_MAX - 39, I32_MAX - 2] + big_off)) for _ in range(R)
+    ]
+    imin, imax = torch.iinfo(dtype).min, torch.iinfo(dtype).max
+    rows = []
+    for length, off in zip(lengths, offsets):
+        span = max(0, min(length, 60))
+        n = draw(st.integers(0, min(W, span)))
+        vals = [off + t for t in draw(st.permutations(range(span)))[:n]]
+        row = vals + [draw(st.sampled_from([-1, -1, -7, imin])) for _ in range(W - n)]
+        defect = draw(st.sampled_from(["none", "none", "dup", "out", "scramble"]))
+        if defect == "dup" and n >= 1:
+            row[draw(st.integers(0, W - 1))] = vals[0]
+        elif defect == "out":
+            row[draw(st.integers(0, W - 1))] = off + length + draw(st.integers(0, 3))
+        elif defect == "scramble":
+            row = draw(st.permutations(row))
+        rows.append([v if imin <= v <= imax else -1 for v in row])
+    bs = draw(st.sampled_from([1, 4]))
+    need = max(-(-max(lengths) // bs), 1)
+    table = draw(st.one_of(st.none(), st.integers(1, min(need + 1, 64))))
+    return dict(dtype=dtype, len_dtype=len_dtype, off_dtype=off_dtype, W=W, lengths=lengths, offsets=offsets,
+                rows=rows, bs=bs, table=table, mode=draw(st.sampled_from(ENABLED_MODES)),
+                action=draw(st.sampled_from(list(CoordinateMismatchAction))),
+                sink_tokens=draw(st.sampled_from([None, 0, 3])), scores=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=adversarial_cases())
+def test_adversarial_inputs_raise_fall_back_or_keep_the_contract(case):
+    gen = torch.Generator().manual_seed(case["seed"])
+    R, W, bs = len(case["rows"]), case["W"], case["bs"]
+    x = torch.tensor(case["rows"], dtype=case["dtype"], device=DEVICE)
+    L = torch.tensor(case["lengths"], dtype=case["len_dtype"], device=DEVICE)
+    O = None if case["off_dtype"] is None else torch.tensor(case["offsets"], dtype=case["off_dtype"], device=DEVICE)
+    drift = None if case["table"] is None else torch.rand(R, case["table"], generator=gen).to(DEVICE)
+    scores = torch.randn(R, W, generator=gen).to(DEVICE) if case["scores"] else None
+    cfg = TopologyKVPolicyConfig(policy=case["mode"], sink_blocks=1, local_blocks=1, witness_blocks=1, block_size=bs,
+                                 max_structural_fraction=0.5, coordinate_mismatch_action=case["action"],
+                                 sink_tokens=case["sink_tokens"])
+    inputs = [t for t in (x, L, O, drift, scores) if t is not None]
+    before = [t.clone() for t in inputs]
+    broken = [r for r in range(R) if _broken_row(case["rows"][r], case["lengths"][r], case["offsets"][r],
+                                                 case["dtype"], case["table"], bs)]
+    try:
+        res = apply_topology_kv_policy(x, L, config=cfg, topk_indices_offset=O, block_drift_scores=drift,
+                                       learned_scores=scores)
+    except ValueError as err:
+        assert case["action"] is CoordinateMismatchAction.RAISE and broken, err
+        assert str(err).split(":")[0] in ("topk_indices", "lengths", "topk_indices_offset", "block_drift_scores")
+        return
+    finally:
+        assert all(torch.equal(a, b) for a, b in zip(inputs, before)), "inputs mutated"
+    assert case["action"] is FALLBACK or not broken
+    got = res.indices.cpu().tolist()
+    assert res.counters.to_dict()["coordinate_mismatch_fallbacks"] == len(broken)
+    for r in range(R):
+        if r in broken:
+            assert got[r] == case["rows"][r]
+            continue
+        n = sum(1 for v in got[r] if v >= 0)
+        assert all(v == -1 for v in got[r][n:]), "valid first, -1 after"
+        vals, lo = got[r][:n], case["offsets"][r]
+        assert len(set(vals)) == n and all(lo <= v < lo + case["lengths"][r] for v in vals)
+    if max(case["lengths"]) > 10**6:  # the loop reference walks every block of a row
+        return
+    want, counters, bad = ref.reference_topology_policy(
+        x.cpu(), L.cpu(), mode=case["mode"].value, sink_blocks=1, local_blocks=1, witness_blocks=1, block_size=bs,
+        max_structural_fraction=0.5, offsets=None if O is None else O.cpu(),
+        drift=None if drift is None else drift.cpu(), learned_scores=None if scores is None else scores.cpu(),
+        sink_tokens=case["sink_tokens"],
+    )
+    assert bad == broken and got == want.tolist()
+    assert {k: v for k, v in res.counters.to_dict().items() if k != "compression_hits"} == counters

@@ -146,6 +146,27 @@ def pad_rows(rows: Sequence[Sequence[int]], width: int, dtype=torch.int64) -> to
     return out
 
 
+def reference_row_is_broken(
+    row: Sequence[int], length: int, offset: int, dtype: torch.dtype, drift_blocks: Optional[int], block_size: int
+) -> bool:
+    """The broken-row rule of the policy's contract (docs/architecture.md), one row.
+
+    Broken: ``offset < 0``; ``length <= 0``; ``offset + length - 1`` past ``dtype``'s max;
+    a non-negative entry outside ``[offset, offset + length)``; a non-negative entry after
+    a negative one; a non-negative entry twice; more blocks (``ceil(length / block_size)``)
+    than the drift table's ``drift_blocks`` columns (when there is a table).
+    """
+    if offset < 0 or length <= 0 or offset + length - 1 > torch.iinfo(dtype).max:
+        return True
+    n_valid = sum(1 for v in row if v >= 0)
+    valid = [v for v in row if v >= 0]
+    if any(v >= 0 for v in row[n_valid:]) or any(not offset <= v < offset + length for v in valid):
+        return True
+    if len(set(valid)) != len(valid):
+        return True
+    return drift_blocks is not None and -(-length // block_size) > drift_blocks
+
+
 def reference_topology_policy(
     topk_indices: torch.Tensor,
     lengths: torch.Tensor,
@@ -193,9 +214,8 @@ def reference_topology_policy(
         length = int(lengths[r])
         off = 0 if offsets is None else int(offsets[r])
         n_valid = sum(1 for v in row if v >= 0)
-        out_of_range = any(v >= 0 and not (off <= v < off + length) for v in row)
-        padding_first = any(v >= 0 for v in row[n_valid:])
-        if out_of_range or padding_first:
+        table_blocks = None if drift is None else drift.shape[1]
+        if reference_row_is_broken(row, length, off, topk_indices.dtype, table_blocks, bs):
             mismatch_rows.append(r)
             counters["coordinate_mismatch_fallbacks"] += 1
             continue

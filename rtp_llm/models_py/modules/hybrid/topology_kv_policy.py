@@ -9,8 +9,9 @@ unchanged. Shape vocabulary: ``R`` rows, ``W`` top-k width, ``B`` requests, ``N`
 Coordinate contract (docs/architecture.md): row ``r`` holds request-local token positions in
 ``[offset[r], offset[r] + lengths[r])``; negative entries are padding. The output keeps
 that interval, is unique per row, has valid entries first and ``-1`` after them, and
-never reaches past the causal length. Input rows are assumed unique (the engine's top-k
-guarantees it); :func:`check_topk_coordinates` checks that too, off the hot path.
+never reaches past the causal length. Input rows that break the contract (including
+duplicate entries) are *broken*: returned unchanged and counted, or rejected in
+``raise`` mode (:func:`row_violations` lists the rules).
 
 Hot-path rule: :func:`topology_kv_policy_core` (in ``topology_kv_policy_core``, with
 everything it calls) is pure tensor code with static shapes: no ``.item()``,
@@ -36,6 +37,8 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
 from rtp_llm.models_py.modules.hybrid.topology_kv_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy_core import (  # noqa: F401 (re-exported)
     COUNTER_NAMES,
+    VIOLATIONS,
+    row_violations,
     topology_kv_policy_core,
     topology_only_learned_kept,
 )
@@ -159,6 +162,8 @@ def _validate_inputs(topk_indices, lengths, offsets, drift, row_to_request, lear
     if topk_indices.dim() != 2:
         raise ValueError(f"topk_indices: expected rank 2 [R, W], got shape {tuple(topk_indices.shape)}")
     R, W = topk_indices.shape
+    if W == 0:
+        raise ValueError(f"topk_indices: expected W >= 1 columns, got shape {tuple(topk_indices.shape)}")
     dev = topk_indices.device
     same = dict(device=dev, device_of="topk_indices")
     check_tensor("lengths", lengths, dtypes=INDEX_DTYPES, shape=(R,), **same)
@@ -178,56 +183,70 @@ def _validate_inputs(topk_indices, lengths, offsets, drift, row_to_request, lear
 
 
 def check_topk_coordinates(
-    topk_indices: torch.Tensor, lengths: torch.Tensor, topk_indices_offset: Optional[torch.Tensor] = None
+    topk_indices: torch.Tensor,
+    lengths: torch.Tensor,
+    topk_indices_offset: Optional[torch.Tensor] = None,
+    *,
+    drift_blocks: Optional[int] = None,
+    block_size: int = 1,
 ) -> None:
-    """Raise ``ValueError`` naming the first row and value that break the contract.
+    """Raise ``ValueError`` naming the first broken row, its value and the rule it breaks.
 
-    Checks ``lengths > 0``, every non-negative entry inside ``[offset, offset + length)``,
-    valid entries before padding, and no duplicate entries in a row. Looks at values, so it synchronizes with the
-    device: run it once (e.g. in tests or at warm-up), not inside a CUDA graph.
+    The rules are :func:`row_violations`' (the policy core's broken-row rules): offset
+    ``>= 0``, length ``> 0``, ``offset + length - 1`` within ``topk_indices``' dtype,
+    every non-negative entry inside ``[offset, offset + length)``, valid entries before
+    padding, no entry twice, and with ``drift_blocks`` (the drift table's ``N``) at most
+    ``N`` blocks of ``block_size`` per row. All flags are computed on the device and read
+    with one host sync on success (more reads only to build the message): run it off the
+    CUDA-graph path (tests, warm-up, ``coordinate_mismatch_action=raise``).
     """
     _validate_inputs(topk_indices, lengths, topk_indices_offset, None, None, None)
-    if lengths.numel() and int(lengths.min()) <= 0:
-        row = int(torch.argmin(lengths))
-        raise ValueError(f"lengths: expected every length > 0, got {int(lengths[row])} at row {row}")
-    bad = _mismatch_rows(topk_indices.to(torch.int64), lengths.to(torch.int64), _offsets(topk_indices_offset, lengths))
-    if bool(bad.any()):
-        row = int(torch.argmax(bad.to(torch.int8)))
-        off = 0 if topk_indices_offset is None else int(topk_indices_offset[row])
-        length = int(lengths[row])
-        vals = topk_indices[row]
-        out = vals[(vals >= 0) & ((vals < off) | (vals >= off + length))]
-        raise ValueError(
-            f"topk_indices: row {row} holds {int(out[0])}, outside its interval "
+    flags = row_violations(topk_indices, lengths, topk_indices_offset, drift_blocks, block_size)
+    table = torch.stack([flags[name] for name in VIOLATIONS if name in flags], dim=1)  # [R, V]
+    if not bool(table.any()):  # the only host read on success
+        return
+    row = int(torch.argmax(table.any(dim=1).to(torch.int8)))
+    rule = [name for name, bad in zip([n for n in VIOLATIONS if n in flags], table[row].tolist()) if bad][0]
+    raise ValueError(_violation_message(rule, row, topk_indices, lengths, topk_indices_offset, drift_blocks, block_size))
+
+
+def _violation_message(rule, row, topk_indices, lengths, offsets, drift_blocks, block_size) -> str:
+    """The message for row ``row`` breaking ``rule`` (failure path only: reads values)."""
+    vals = topk_indices[row].tolist()
+    length = int(lengths[row])
+    off = 0 if offsets is None else int(offsets[row])
+    if rule == "offset":
+        return f"topk_indices_offset: row {row} has offset {off} (expected >= 0)"
+    if rule == "length":
+        return f"lengths: row {row} has length {length} (expected > 0)"
+    if rule == "overflow":
+        dtype = str(topk_indices.dtype).replace("torch.", "")
+        return (
+            f"topk_indices: row {row} covers [{off}, {off + length}) (offset {off}, length {length}), "
+            f"past the {dtype} range of topk_indices (max {torch.iinfo(topk_indices.dtype).max})"
+        )
+    if rule == "interval":
+        bad = [v for v in vals if v >= 0 and not off <= v < off + length][0]
+        return (
+            f"topk_indices: row {row} holds {bad}, outside its interval "
             f"[{off}, {off + length}) (offset {off}, length {length})"
         )
-    valid = topk_indices >= 0
-    after_pad = valid & (torch.cumsum((~valid).to(torch.int32), dim=1) > 0)
-    if bool(after_pad.any()):
-        row = int(torch.argmax(after_pad.any(dim=1).to(torch.int8)))
-        col = int(torch.argmax(after_pad[row].to(torch.int8)))
-        raise ValueError(
-            f"topk_indices: row {row} holds {int(topk_indices[row, col])} at column {col} after padding "
+    if rule == "padding":
+        n = sum(1 for v in vals if v >= 0)
+        col = next(c for c in range(n, len(vals)) if vals[c] >= 0)
+        return (
+            f"topk_indices: row {row} holds {vals[col]} at column {col} after padding "
             "(valid entries must come first)"
         )
-    srt = torch.sort(topk_indices, dim=-1).values
-    dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-    if bool(dup.any()):
-        row = int(torch.argmax(dup.any(dim=1).to(torch.int8)))
-        val = int(srt[row, 1:][dup[row]][0])
-        raise ValueError(f"topk_indices: row {row} holds {val} twice (rows must be unique)")
-
-
-def _offsets(offsets: Optional[torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
-    if offsets is None:
-        return torch.zeros_like(lengths, dtype=torch.int64)
-    return offsets.to(torch.int64)
-
-
-def _mismatch_rows(idx: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``[R]`` bool: the row holds a non-negative entry outside its interval."""
-    rel = idx - offsets.unsqueeze(1)
-    return ((idx >= 0) & ((rel < 0) | (rel >= lengths.unsqueeze(1)))).any(dim=1)
+    if rule == "duplicate":
+        seen = set()
+        val = next(v for v in vals if v >= 0 and (v in seen or seen.add(v)))
+        return f"topk_indices: row {row} holds {val} twice (rows must be unique)"
+    need = -(-length // block_size)
+    return (
+        f"block_drift_scores: row {row} needs {need} blocks (length {length}, block size {block_size}), "
+        f"the table has {drift_blocks}"
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -258,13 +277,16 @@ def apply_topology_kv_policy(
         Learned rows in the engine's convention: request-local positions inside
         ``[offset, offset + length)``, negative = padding. Never modified.
     lengths : int32/int64 ``[R]``
-        Causal length of each row (``expanded_seq_lens``), > 0.
+        Causal length of each row (``expanded_seq_lens``), > 0. Either dtype with either
+        row dtype: lengths and offsets are read as int64, never truncated to the rows'
+        dtype (a row whose ``offset + length - 1`` does not fit that dtype is broken).
     config : TopologyKVPolicyConfig
-    topk_indices_offset : int32/int64 ``[R]`` or None (zeros)
+    topk_indices_offset : int32/int64 ``[R]`` or None (zeros); ``>= 0``
     block_drift_scores : float ``[R, N]``, or ``[B, N]`` with ``row_to_request``
         Witness score of each block of the row's request (e.g. key-centroid drift).
-        Blocks past a row's causal length are ignored. None: witnesses are the most
-        recent eligible blocks (documented fallback).
+        Blocks past a row's causal length are ignored; a row needing more than ``N``
+        blocks is broken. None: witnesses are the most recent eligible blocks
+        (documented fallback).
     row_to_request : int ``[R]`` or None
         Request index of each row into ``block_drift_scores`` and ``context``.
     learned_scores : float ``[R, W]`` or None
@@ -281,15 +303,19 @@ def apply_topology_kv_policy(
     -------
     TopologyKVPolicyResult. ``DISABLED`` returns ``topk_indices`` itself and no counters.
 
-    Coordinate mismatch (a non-negative learned entry outside its interval):
-    ``RAISE`` checks on the host (one device sync; not for CUDA-graph capture) and raises
-    ``ValueError`` naming row and value. ``FALLBACK_DISABLED`` returns each such row
-    unchanged and counts it in ``coordinate_mismatch_fallbacks``, with no sync.
+    Broken rows (the rules of :func:`row_violations`: negative offset, length <= 0, an
+    interval past the rows' dtype, an entry outside its interval, padding before a valid
+    entry, a duplicate entry, a row longer than the drift table): ``RAISE`` checks on the
+    host (one device sync; not for CUDA-graph capture) and raises ``ValueError`` naming
+    row and value. ``FALLBACK_DISABLED`` returns each such row unchanged and counts it in
+    ``coordinate_mismatch_fallbacks``, with no sync. ``W == 0``: ``ValueError``.
     """
     if not isinstance(config, TopologyKVPolicyConfig):
         raise TypeError(f"config: expected TopologyKVPolicyConfig, got {type(config).__name__}")
     if validate:
         _validate_inputs(topk_indices, lengths, topk_indices_offset, block_drift_scores, row_to_request, learned_scores)
+    elif config.enabled and topk_indices.shape[1] == 0:  # the core needs a column
+        raise ValueError(f"topk_indices: expected W >= 1 columns, got shape {tuple(topk_indices.shape)}")
     if not config.enabled:
         return TopologyKVPolicyResult(indices=topk_indices, counters=None)
 
@@ -298,7 +324,13 @@ def apply_topology_kv_policy(
         _synchronize(topk_indices.device)
         start = time.perf_counter()
     if config.coordinate_mismatch_action is CoordinateMismatchAction.RAISE:
-        check_topk_coordinates(topk_indices, lengths, topk_indices_offset)
+        check_topk_coordinates(
+            topk_indices,
+            lengths,
+            topk_indices_offset,
+            drift_blocks=None if block_drift_scores is None else block_drift_scores.shape[1],
+            block_size=config.block_size,
+        )
 
     W = topk_indices.shape[1]
     contexts = _as_context_list(context)

@@ -7,7 +7,7 @@ loops over rows, so it runs inside a CUDA graph and under ``torch.compile(fullgr
 
 It reads top to bottom as stages, each a function below:
 
-1. :func:`_row_checks`: which rows break the coordinate contract (returned unchanged).
+1. :func:`_row_checks`: which rows are broken (:func:`row_violations`; returned unchanged).
 2. :func:`_structural_slots`: the block schedule expanded to the structural slot tokens
    (layout order ``[sinks | locals ascending | witnesses]``) and the priority order.
 3. :func:`_slot_mapping`: each learned entry's structural slot, and which slots the row
@@ -23,6 +23,7 @@ It reads top to bottom as stages, each a function below:
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -98,27 +99,72 @@ def _priority_permutation(s_tok: int, l_tok: int, w_tok: int, device) -> torch.T
 # ---------------------------------------------------------------------------------------
 
 
-def _row_checks(x: torch.Tensor, lengths: torch.Tensor, offsets: Optional[torch.Tensor]):
-    """Which rows break the coordinate contract.
+VIOLATIONS = ("offset", "length", "overflow", "interval", "padding", "duplicate", "drift")
 
-    Returns ``(valid [R, W] bool, n_valid [R] int64, mismatch [R] bool)``. A row is broken
-    when a valid entry follows a padding entry, or a non-negative entry lies outside
-    ``[offset, offset + length)``.
+
+def row_violations(
+    x: torch.Tensor,
+    lengths: torch.Tensor,
+    offsets: Optional[torch.Tensor],
+    drift_blocks: Optional[int] = None,
+    block_size: int = 1,
+) -> Dict[str, torch.Tensor]:
+    """Per-row contract violations, one ``[R]`` bool tensor per name in :data:`VIOLATIONS`.
+
+    Pure tensor code, no host sync. Interval arithmetic is int64 whatever the dtypes of
+    ``x``, ``lengths`` and ``offsets`` (nothing is truncated). A row violates:
+
+    * ``offset``: ``offset < 0``;
+    * ``length``: ``length <= 0``;
+    * ``overflow``: ``offset + length - 1`` exceeds the max of ``x``'s dtype (its
+      structural positions would not fit);
+    * ``interval``: a non-negative entry lies outside ``[offset, offset + length)``;
+    * ``padding``: a non-negative entry follows a negative (padding) one;
+    * ``duplicate``: a non-negative entry occurs twice;
+    * ``drift`` (only when ``drift_blocks`` is given): the row needs more blocks,
+      ``ceil(length / block_size)``, than the drift table's ``drift_blocks`` columns.
     """
-    R, W = x.shape
-    idt = x.dtype
-    L = lengths.to(idt).unsqueeze(1)  # [R, 1]
-    off = None if offsets is None else offsets.to(idt).unsqueeze(1)  # [R, 1]
+    valid = x >= 0
+    return _violations(x, valid, valid.sum(dim=1), lengths, offsets, drift_blocks, block_size)
+
+
+def _violations(x, valid, n_valid, lengths, offsets, drift_blocks, block_size) -> Dict[str, torch.Tensor]:
+    W = x.shape[1]
+    imax = torch.iinfo(x.dtype).max
+    sign = torch.iinfo(x.dtype).bits - 1
+    L = lengths.to(torch.int64)
+    off = torch.zeros_like(L) if offsets is None else offsets.to(torch.int64)
+    prefix = torch.arange(W, device=x.device).unsqueeze(0) < n_valid.unsqueeze(1)
+    # Every valid entry inside [off, off + L): the row max below the end, the smallest valid
+    # entry (padding lifted to the dtype max: (v | v >> sign) is -1 for v < 0) at or past off.
+    hi = x.amax(dim=1).to(torch.int64)
+    lo = ((x | (x >> sign)) & imax).amin(dim=1).to(torch.int64)
+    # Duplicates: equal neighbours in the sorted row (exact; one O(W log W) sort per row,
+    # in the row's dtype). Padding sorts first and is ignored.
+    srt = torch.sort(x, dim=1).values
+    dup = _any_per_row((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0))
+    out = {
+        "offset": off < 0,
+        "length": L <= 0,
+        "overflow": off + L - 1 > imax,
+        "interval": (hi >= off + L) | (lo < off),
+        "padding": _any_per_row(valid ^ prefix),
+        "duplicate": dup,
+    }
+    if drift_blocks is not None:
+        out["drift"] = (L + block_size - 1) // block_size > drift_blocks
+    return out
+
+
+def _row_checks(x, lengths, offsets, drift_blocks, block_size):
+    """Which rows break the coordinate contract (see :func:`row_violations`).
+
+    Returns ``(valid [R, W] bool, n_valid [R] int64, mismatch [R] bool)``.
+    """
     valid = x >= 0  # [R, W]
     n_valid = valid.sum(dim=1)  # [R] int64
-    prefix = torch.arange(W, device=x.device).unsqueeze(0) < n_valid.unsqueeze(1)
-    mismatch = _any_per_row(valid ^ prefix)  # padding before a valid entry
-    # Every valid entry inside [off, off + L): row max below the end, and the smallest
-    # valid entry (padding masked to a huge value by dropping the sign bit) at or past off.
-    mismatch = mismatch | (x.amax(dim=1, keepdim=True) >= (L if off is None else off + L)).squeeze(1)
-    if off is not None:
-        mismatch = mismatch | ((x & torch.iinfo(idt).max).amin(dim=1, keepdim=True) < off).squeeze(1)
-    return valid, n_valid, mismatch
+    flags = _violations(x, valid, n_valid, lengths, offsets, drift_blocks, block_size)
+    return valid, n_valid, functools.reduce(torch.logical_or, flags.values())
 
 
 # ---------------------------------------------------------------------------------------
@@ -228,11 +274,15 @@ def _slot_mapping(
     sink_span = torch.full_like(slots.sink_end, S_sink) if token_sinks else slots.sink_end * bs
     sink_tok_end = torch.minimum(sink_span, lengths64)
     sink_tok_end = sink_tok_end.to(idt).unsqueeze(1)  # [R, 1]
-    local_tok_start = (slots.local_start * bs).to(idt).unsqueeze(1)
-    local_shift = S_sink - local_tok_start  # [R, 1]
     in_sink = (rel - sink_tok_end) >> sign  # -1 where rel < sink end
-    in_local = ~((rel - torch.maximum(local_tok_start, sink_tok_end)) >> sign)  # -1 where local
-    delta = S + (in_sink & -S) + (in_local & (local_shift - S))  # [R, W] slot - rel
+    # delta = slot - rel - S: 0 for entries that are not structural, so rel + delta never
+    # overflows (rel may reach the dtype max).
+    delta = in_sink & -S  # [R, W]
+    if local_blocks > 0:  # (then the local start is below the length: it fits the dtype)
+        local_tok_start = (slots.local_start * bs).to(idt).unsqueeze(1)
+        local_shift = S_sink - local_tok_start  # [R, 1]
+        in_local = ~((rel - torch.maximum(local_tok_start, sink_tok_end)) >> sign)  # -1 where local
+        delta = delta + (in_local & (local_shift - S))
     n_wit = slots.wit.shape[1]
     if n_wit > 0:
         bt = torch.div(rel, bs, rounding_mode="floor") if bs & (bs - 1) else rel >> (bs.bit_length() - 1)
@@ -246,10 +296,11 @@ def _slot_mapping(
     if slots.comp_end is not None:
         # Inside compressed blocks only the block's first token is structural.
         within = rel % bs if bs & (bs - 1) else rel & (bs - 1)
-        inside = (rel >= slots.comp_start) & (rel < slots.comp_end.to(idt).unsqueeze(1)) & (within != 0)
-        delta = torch.where(inside, S, delta)
+        last = (slots.comp_end - 1).to(idt).unsqueeze(1)  # (comp_end itself may not fit)
+        inside = (rel >= slots.comp_start) & (rel <= last) & (within != 0)
+        delta = torch.where(inside, 0, delta)
     # Padding (rel < 0) -> S; everything past the slots -> S.
-    slot = torch.maximum(torch.clamp(rel + delta, max=S), (rel >> sign) & S)  # [R, W]
+    slot = torch.maximum(torch.clamp(rel + delta, max=0) + S, (rel >> sign) & S)  # [R, W]
     present = torch.zeros(R, S + 1, dtype=torch.bool, device=rel.device)
     present.scatter_(1, slot.to(torch.int64), True)
     present = present[:, :S] & (slots.tok >= 0)  # [R, S] structural tokens the row holds
@@ -440,9 +491,10 @@ def topology_kv_policy_core(
     ----------
     topk_indices : int32/int64 ``[R, W]`` learned rows: request-local positions, valid
         entries first, then negative padding (the engine's top-k convention)
-    lengths : int ``[R]`` causal lengths (> 0, not checked)
-    offsets : int ``[R]`` row offsets, or None (all zero; saves a pass)
-    drift : float ``[R, N]`` witness scores per row, or None (most recent blocks win)
+    lengths : int32/int64 ``[R]`` causal lengths (a row with length <= 0 is broken)
+    offsets : int32/int64 ``[R]`` row offsets, or None (all zero)
+    drift : float ``[R, N]`` witness scores per row, or None (most recent blocks win);
+        rows longer than ``N`` blocks are broken
     learned_scores : float ``[R, W]`` aligned with ``topk_indices``, or None
     scaffold_lengths : int ``[R]`` scaffold span per row (compress mode), or None
     mode : an enabled :class:`TopologyKVPolicyMode`
@@ -455,8 +507,14 @@ def topology_kv_policy_core(
 
     Semantics (row ``r``, relative positions ``t = index - offset``):
 
-    * A row breaks the contract if a non-negative entry lies outside ``[0, length)`` or
-      follows a padding entry; such a row is returned unchanged (``mismatch_rows``).
+    * A row is *broken* if ANY of: ``offset < 0``; ``length <= 0``;
+      ``offset + length - 1`` exceeds the max of ``topk_indices``' dtype; a non-negative
+      entry lies outside ``[offset, offset + length)``; a non-negative entry follows a
+      negative one (padding); a non-negative entry occurs twice; with ``drift``
+      ``[R, N]``, the row needs more than ``N`` blocks (``ceil(length / block_size)``).
+      A broken row is returned unchanged and flagged in ``mismatch_rows``. Interval
+      arithmetic is int64 whatever the dtypes: int64 lengths/offsets with int32 rows are
+      compared as int64, never truncated (see :func:`row_violations`).
     * Structural tokens in priority order: sink tokens (blocks ``0..sink_blocks-1``, or
       the first ``sink_tokens`` tokens, whose blocks are then neither local nor witness)
       ascending; local tokens (the ``local_blocks`` blocks ending at the row's last
@@ -491,11 +549,16 @@ def topology_kv_policy_core(
     x = topk_indices
     lengths64 = lengths.to(torch.int64)
 
-    # 1. Broken rows.
-    valid, n_valid, mismatch = _row_checks(x, lengths, offsets)
+    sign = torch.iinfo(idt).bits - 1
+
+    # 1. Broken rows; the others' lengths and offsets fit the row dtype. Broken rows are
+    # processed as length 1, offset 0 (sanitized, so nothing below can misbehave) and
+    # then restored.
+    valid, n_valid, mismatch = _row_checks(x, lengths, offsets, None if drift is None else drift.shape[1], bs)
     ok = ~mismatch
-    off = None if offsets is None else offsets.to(idt).unsqueeze(1)  # [R, 1]
-    rel = x if off is None else x - off  # request-local position
+    lengths64 = torch.where(ok, lengths64, 1)
+    off = None if offsets is None else torch.where(ok, offsets.to(torch.int64), 0).to(idt).unsqueeze(1)  # [R, 1]
+    rel = (x if off is None else x - off) | (x >> sign)  # request-local position; padding -> -1
 
     # 2. Structural slots, and their priority order.
     only = mode is TopologyKVPolicyMode.TOPOLOGY_ONLY
