@@ -381,7 +381,7 @@ def cases(draw):
         len_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
         off_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
         scaled=draw(st.booleans()),
-        breaks=[draw(st.sampled_from(["none"] * 6 + ["outside", "order", "dup", "neg_off", "len0"]))
+        breaks=[draw(st.sampled_from(["none"] * 6 + ["outside", "below", "order", "dup", "neg_off", "len0"]))
                 for _ in range(R)],
     )
 
@@ -402,6 +402,8 @@ def _rows_for(case, gen):
         if kind == "outside" and W:
             row[int(torch.randint(0, W, (1,), generator=gen))] = off + length + int(torch.randint(0, 3, (1,),
                                                                                                generator=gen))
+        elif kind == "below" and off > 0 and n:
+            row[n - 1] = off - 1  # under the offset (still >= 0)
         elif kind == "order" and 0 < n < W:
             row[n - 1], row[W - 1] = row[W - 1], row[n - 1]
         elif kind == "dup" and n >= 2:

@@ -55,13 +55,13 @@ slots ``S = S_SINK + (LOCAL_BLOCKS + N_WIT) * BS``), ``BLOCK_N`` (pow2 >= drift'
 Not checked (host metadata only, no values are read): argument shapes, dtypes and devices
 are validated; the values of ``drift``, ``learned_scores`` and ``scaffold_lengths`` are
 not (a negative scaffold span compresses nothing, as in the core). ``out`` must not
-overlap the inputs except that ``out is topk_indices`` is allowed (each program reads its
-row before writing it). ``counters`` is added to, never zeroed.
+overlap the inputs (not checked). ``counters`` is added to, never zeroed.
 
 Testing: ``benchmark/test_topology_kv_policy_triton.py`` compares indices and every
 counter bit for bit with the torch core, on CPU under ``TRITON_INTERPRET=1`` (which must be
 set before this module is imported: ``triton.jit`` reads it at definition time) and on
-CUDA (``TOPOLOGY_KV_TEST_DEVICE=cuda``, including a CUDA-graph capture and replay).
+CUDA (``TOPOLOGY_KV_TEST_DEVICE=cuda``, including a CUDA-graph capture and replay). On
+CPU it also compiles the kernel ahead of time for sm_90 (Triton's pipeline and ptxas).
 """
 
 from __future__ import annotations
