@@ -780,3 +780,23 @@ def test_adversarial_inputs_raise_fall_back_or_keep_the_contract(case):
     )
     assert bad == broken and got == want.tolist()
     assert {k: v for k, v in res.counters.to_dict().items() if k != "compression_hits"} == counters
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**16), W=st.sampled_from([1, 2, 7, 64, 130]), dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_duplicate_rule_is_the_same_with_and_without_a_drift_table(seed, W, dtype):
+    # With a drift table the duplicate rule uses a bitmap bounded by the table, else a sort:
+    # the broken rows must be the same (rows longer than the table are broken either way).
+    from rtp_llm.models_py.modules.hybrid.topology_kv_policy_rows import row_violations
+
+    gen = torch.Generator().manual_seed(seed)
+    R, span = 6, 3 * W + 64
+    x = torch.randint(-2, span, (R, W), generator=gen).to(dtype)
+    x = torch.sort(torch.where(x < 0, -1, x), dim=1, descending=True).values  # valid first
+    off = torch.randint(0, 3, (R,), generator=gen)
+    x = torch.where(x >= 0, x + off.unsqueeze(1).to(dtype), x).to(DEVICE)
+    L, off = torch.full((R,), span, device=DEVICE), off.to(DEVICE)
+    by_sort = row_violations(x, L, off)["duplicate"]
+    by_bitmap = row_violations(x, L, off, drift_blocks=span, block_size=1)["duplicate"]
+    want = [len(set(v for v in row if v >= 0)) != sum(1 for v in row if v >= 0) for row in x.tolist()]
+    assert by_sort.tolist() == by_bitmap.tolist() == want

@@ -37,11 +37,9 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
 from rtp_llm.models_py.modules.hybrid.topology_kv_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy_core import (  # noqa: F401 (re-exported)
     COUNTER_NAMES,
-    VIOLATIONS,
-    row_violations,
     topology_kv_policy_core,
-    topology_only_learned_kept,
 )
+from rtp_llm.models_py.modules.hybrid.topology_kv_policy_rows import VIOLATIONS, row_violations
 
 # ---------------------------------------------------------------------------------------
 # Per-request context and fingerprints (host side; owned by the caller, never shared).
@@ -247,6 +245,22 @@ def _violation_message(rule, row, topk_indices, lengths, offsets, drift_blocks, 
         f"block_drift_scores: row {row} needs {need} blocks (length {length}, block size {block_size}), "
         f"the table has {drift_blocks}"
     )
+
+
+def topology_only_learned_kept(
+    topk_indices: torch.Tensor, out: torch.Tensor, mismatch_rows: torch.Tensor
+) -> torch.Tensor:
+    """Per row, how many learned entries ``TOPOLOGY_ONLY`` kept (``|learned & out|``).
+
+    Off the hot path: :class:`TopologyKVCounters` calls it only when the counter is read.
+    Broken rows count 0. Returns int64 ``[R]``.
+    """
+    big = torch.iinfo(torch.int64).max
+    srt = torch.sort(torch.where(out >= 0, out.to(torch.int64), big), dim=1).values  # [R, W]
+    x = topk_indices.to(torch.int64)
+    pos = torch.searchsorted(srt, x).clamp(max=srt.shape[1] - 1)
+    hit = (torch.gather(srt, 1, pos) == x) & (x >= 0)
+    return torch.where(mismatch_rows, 0, hit.sum(dim=1))
 
 
 # ---------------------------------------------------------------------------------------

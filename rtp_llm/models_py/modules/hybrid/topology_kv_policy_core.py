@@ -7,7 +7,7 @@ loops over rows, so it runs inside a CUDA graph and under ``torch.compile(fullgr
 
 It reads top to bottom as stages, each a function below:
 
-1. :func:`_row_checks`: which rows are broken (:func:`row_violations`; returned unchanged).
+1. :func:`_row_checks`: which rows are broken (rules in ``topology_kv_policy_rows``).
 2. :func:`_structural_slots`: the block schedule expanded to the structural slot tokens
    (layout order ``[sinks | locals ascending | witnesses]``) and the priority order.
 3. :func:`_slot_mapping`: each learned entry's structural slot, and which slots the row
@@ -29,6 +29,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import TopologyKVPolicyMode
+from rtp_llm.models_py.modules.hybrid.topology_kv_policy_rows import violations_of_rows
 from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import (
     expand_blocks_unchecked,
     prioritized_block_schedule_unchecked,
@@ -55,11 +56,6 @@ COUNTER_NAMES = (
 def _rank_within(mask: torch.Tensor) -> torch.Tensor:
     """1-based running count of ``mask`` along the last dim (int32: 10x faster than int64 on CPU)."""
     return torch.cumsum(mask, dim=-1, dtype=torch.int32)
-
-
-def _any_per_row(mask: torch.Tensor) -> torch.Tensor:
-    """``mask.any(dim=1)`` for a ``[R, W]`` bool tensor, read as bytes (much faster on CPU)."""
-    return mask.contiguous().view(torch.uint8).any(dim=1) != 0
 
 
 def _lowest_scored(scores: torch.Tensor, candidate: torch.Tensor, count: torch.Tensor, k_max: int):
@@ -99,71 +95,14 @@ def _priority_permutation(s_tok: int, l_tok: int, w_tok: int, device) -> torch.T
 # ---------------------------------------------------------------------------------------
 
 
-VIOLATIONS = ("offset", "length", "overflow", "interval", "padding", "duplicate", "drift")
-
-
-def row_violations(
-    x: torch.Tensor,
-    lengths: torch.Tensor,
-    offsets: Optional[torch.Tensor],
-    drift_blocks: Optional[int] = None,
-    block_size: int = 1,
-) -> Dict[str, torch.Tensor]:
-    """Per-row contract violations, one ``[R]`` bool tensor per name in :data:`VIOLATIONS`.
-
-    Pure tensor code, no host sync. Interval arithmetic is int64 whatever the dtypes of
-    ``x``, ``lengths`` and ``offsets`` (nothing is truncated). A row violates:
-
-    * ``offset``: ``offset < 0``;
-    * ``length``: ``length <= 0``;
-    * ``overflow``: ``offset + length - 1`` exceeds the max of ``x``'s dtype (its
-      structural positions would not fit);
-    * ``interval``: a non-negative entry lies outside ``[offset, offset + length)``;
-    * ``padding``: a non-negative entry follows a negative (padding) one;
-    * ``duplicate``: a non-negative entry occurs twice;
-    * ``drift`` (only when ``drift_blocks`` is given): the row needs more blocks,
-      ``ceil(length / block_size)``, than the drift table's ``drift_blocks`` columns.
-    """
-    valid = x >= 0
-    return _violations(x, valid, valid.sum(dim=1), lengths, offsets, drift_blocks, block_size)
-
-
-def _violations(x, valid, n_valid, lengths, offsets, drift_blocks, block_size) -> Dict[str, torch.Tensor]:
-    W = x.shape[1]
-    imax = torch.iinfo(x.dtype).max
-    sign = torch.iinfo(x.dtype).bits - 1
-    L = lengths.to(torch.int64)
-    off = torch.zeros_like(L) if offsets is None else offsets.to(torch.int64)
-    prefix = torch.arange(W, device=x.device).unsqueeze(0) < n_valid.unsqueeze(1)
-    # Every valid entry inside [off, off + L): the row max below the end, the smallest valid
-    # entry (padding lifted to the dtype max: (v | v >> sign) is -1 for v < 0) at or past off.
-    hi = x.amax(dim=1).to(torch.int64)
-    lo = ((x | (x >> sign)) & imax).amin(dim=1).to(torch.int64)
-    # Duplicates: equal neighbours in the sorted row (exact; one O(W log W) sort per row,
-    # in the row's dtype). Padding sorts first and is ignored.
-    srt = torch.sort(x, dim=1).values
-    dup = _any_per_row((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0))
-    out = {
-        "offset": off < 0,
-        "length": L <= 0,
-        "overflow": off + L - 1 > imax,
-        "interval": (hi >= off + L) | (lo < off),
-        "padding": _any_per_row(valid ^ prefix),
-        "duplicate": dup,
-    }
-    if drift_blocks is not None:
-        out["drift"] = (L + block_size - 1) // block_size > drift_blocks
-    return out
-
-
 def _row_checks(x, lengths, offsets, drift_blocks, block_size):
-    """Which rows break the coordinate contract (see :func:`row_violations`).
+    """Which rows break the coordinate contract (see ``topology_kv_policy_rows.row_violations``).
 
     Returns ``(valid [R, W] bool, n_valid [R] int64, mismatch [R] bool)``.
     """
     valid = x >= 0  # [R, W]
     n_valid = valid.sum(dim=1)  # [R] int64
-    flags = _violations(x, valid, n_valid, lengths, offsets, drift_blocks, block_size)
+    flags = violations_of_rows(x, valid, n_valid, lengths, offsets, drift_blocks, block_size)
     return valid, n_valid, functools.reduce(torch.logical_or, flags.values())
 
 
@@ -514,7 +453,7 @@ def topology_kv_policy_core(
       ``[R, N]``, the row needs more than ``N`` blocks (``ceil(length / block_size)``).
       A broken row is returned unchanged and flagged in ``mismatch_rows``. Interval
       arithmetic is int64 whatever the dtypes: int64 lengths/offsets with int32 rows are
-      compared as int64, never truncated (see :func:`row_violations`).
+      compared as int64, never truncated (see ``topology_kv_policy_rows.row_violations``).
     * Structural tokens in priority order: sink tokens (blocks ``0..sink_blocks-1``, or
       the first ``sink_tokens`` tokens, whose blocks are then neither local nor witness)
       ascending; local tokens (the ``local_blocks`` blocks ending at the row's last
@@ -539,7 +478,9 @@ def topology_kv_policy_core(
 
     Cost: ``O(W)`` elementwise passes per row plus one scatter, ``O(S)`` for the
     structural slots (``S`` = scheduled blocks x block size) and ``O(N)`` for witness
-    selection. Without learned scores the eviction only scans the row's last
+    selection. The duplicate rule costs a ``N * block_size``-bit bitmap per row with a
+    drift table, else one sort per row (``O(W log W)``). Without learned scores the
+    eviction only scans the row's last
     ``min(W, S)`` entries, which always hold enough candidates (see :func:`_evict`).
     """
     device = topk_indices.device
@@ -587,19 +528,3 @@ def topology_kv_policy_core(
     # 7. Counters.
     counters = _counters(ok, mismatch, lengths64, n_selected, n_learned, n_kept, n_injected, n_compressed, bs, only)
     return out, counters
-
-
-def topology_only_learned_kept(
-    topk_indices: torch.Tensor, out: torch.Tensor, mismatch_rows: torch.Tensor
-) -> torch.Tensor:
-    """Per row, how many learned entries ``TOPOLOGY_ONLY`` kept (``|learned & out|``).
-
-    Off the hot path: :class:`TopologyKVCounters` calls it only when the counter is read.
-    Broken rows count 0. Returns int64 ``[R]``.
-    """
-    big = torch.iinfo(torch.int64).max
-    srt = torch.sort(torch.where(out >= 0, out.to(torch.int64), big), dim=1).values  # [R, W]
-    x = topk_indices.to(torch.int64)
-    pos = torch.searchsorted(srt, x).clamp(max=srt.shape[1] - 1)
-    hit = (torch.gather(srt, 1, pos) == x) & (x >= 0)
-    return torch.where(mismatch_rows, 0, hit.sum(dim=1))
