@@ -24,13 +24,17 @@ from benchmark.quality.report import markdown_report, write_outputs
 from benchmark.quality.runner import GridSettings, run_grid, select_all_self_check
 from benchmark.quality.selector_base import SelectorSettings
 from benchmark.quality.selectors import resolve_selector_names
-from benchmark.quality.text import NOVELS, ensure_austen_text, sample_windows
+from benchmark.quality.probe import (DEFAULT_DISTANCES, DEFAULT_SEGMENT, ProbeSettings, make_probe_window,
+                                     probe_layout, probe_summary)
+from benchmark.quality.intervals import DEFAULT_CHUNK, DEFAULT_SAMPLES, BootstrapSettings
+from benchmark.quality.text import NOVELS, ensure_austen_text, load_text_file, sample_windows
 
 # Default run: one 2k window, three budgets, every selector: 1 dense + 24 sparse forwards.
 # Measured on 2 cores: 6.0 min wall (18 s model load, ~13 s per sparse forward); 10 min
 # when other jobs share the cores. --full is the whole grid: 64 sparse forwards, half of
 # them at 8k (minutes each).
 DEFAULT_CONTEXTS = (2048,)
+DEFAULT_WINDOWS = 3  # windows per context: the bootstrap intervals resample their chunks
 DEFAULT_BUDGETS = (Fraction(1, 16), Fraction(1, 8), Fraction(1, 4))
 FULL_CONTEXTS = (2048, 8192)
 FULL_BUDGETS = (Fraction(1, 32), Fraction(1, 16), Fraction(1, 8), Fraction(1, 4))
@@ -72,7 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (debugging)")
     g.add_argument("--data-dir", default=None, help="cache for the text (default: <repo>/data, git-ignored)")
     g.add_argument("--novel", default="prideprejudice", choices=NOVELS, help="novel the windows come from")
-    g.add_argument("--windows", type=int, default=1, help="text windows per context")
+    g.add_argument("--text", default=None, metavar="FILE",
+                   help="any UTF-8 text file as the source of the windows instead of an Austen novel "
+                        "(its sha256 goes into the report and results.json)")
+    g.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
+                   help=f"text windows per context, spread over the text (default {DEFAULT_WINDOWS})")
     g.add_argument("--window-seed", type=int, default=0, help="seed of the window start positions")
 
     g = p.add_argument_group("grid")
@@ -117,6 +125,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gate-max-regression-vs-learned", type=float, default=0.002,
                    help="max perplexity / learned - 1 at any budget (0.002 = 0.2%%)")
 
+    g.add_argument("--bootstrap-chunk", type=int, default=DEFAULT_CHUNK,
+                   help="tokens per resampling unit of the perplexity-ratio intervals (a window's "
+                        f"consecutive tokens; default {DEFAULT_CHUNK})")
+    g.add_argument("--bootstrap-samples", type=int, default=DEFAULT_SAMPLES,
+                   help=f"bootstrap replicates per interval (default {DEFAULT_SAMPLES})")
+    g.add_argument("--bootstrap-seed", type=int, default=0)
+
+    g = p.add_argument_group("copy probe (long-range retrieval)")
+    g.add_argument("--no-probe", action="store_true", help="skip the copy probe")
+    g.add_argument("--probe-segment", type=int, default=DEFAULT_SEGMENT,
+                   help=f"tokens per random segment (default {DEFAULT_SEGMENT})")
+    g.add_argument("--probe-distances", default=",".join(str(f) for f in DEFAULT_DISTANCES),
+                   help="copy distances as fractions of the context (default %(default)s)")
+    g.add_argument("--probe-seed", type=int, default=0, help="seed of the random segments")
+
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="report/topology_kv_quality", help="where report.md, results.json and PNGs go")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -148,6 +171,25 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         selectors = tuple(raised_gate_selectors(selectors))
     if args.windows < 1:
         raise UsageError(f"--windows: expected >= 1, got {args.windows}")
+    for flag in ("bootstrap_chunk", "bootstrap_samples"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
+    if args.probe_segment < 2:
+        raise UsageError(f"--probe-segment: expected >= 2, got {args.probe_segment}")
+    probe = None
+    if not args.no_probe:
+        fracs = tuple(sorted({parse_budget(f, "--probe-distances") for f in args.probe_distances.split(",")
+                              if f.strip()}))
+        if not fracs:
+            raise UsageError("--probe-distances: expected at least one fraction")
+        probe = ProbeSettings(segment=args.probe_segment, distances=fracs, seed=args.probe_seed)
+        for ctx in contexts:
+            probe_layout(ctx, probe)  # fails now, not after the model has loaded
+    text_path = None
+    if args.text is not None:
+        text_path = user_path(args.text)
+        if not text_path.is_file():
+            raise UsageError(f"--text: no such file {text_path}")
     for flag in ("query_chunk", "logits_chunk", "metric_stride"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
@@ -189,6 +231,10 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
             seed=args.seed, sink_tokens=args.sink_tokens, lowrank_dims=args.lowrank_dims, fp8=not args.no_fp8),
         "policy_settings": policy,
         "gate": gate,
+        "text_path": text_path,
+        "probe": probe,
+        "bootstrap": BootstrapSettings(chunk=args.bootstrap_chunk, samples=args.bootstrap_samples,
+                                       seed=args.bootstrap_seed),
         "data_dir": user_path(args.data_dir) if args.data_dir else default_data_dir(),
         "out_dir": user_path(args.out_dir),
     }
@@ -269,7 +315,12 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     heap_limited = limit_heap_fragmentation()
     t0 = time.perf_counter()
-    corpus = ensure_austen_text(cfg["data_dir"])
+    if cfg["text_path"] is not None:
+        source_text, text_source = load_text_file(cfg["text_path"])
+        text_name = cfg["text_path"].name
+    else:
+        corpus = ensure_austen_text(cfg["data_dir"])
+        source_text, text_source, text_name = corpus.texts[args.novel], corpus.source, args.novel
     t_text = time.perf_counter() - t0
     lm = load_gguf_model(cfg["model_path"], num_layers=args.num_layers)
     t_load = time.perf_counter() - t0 - t_text
@@ -279,9 +330,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             raise UsageError(f"--contexts: {ctx} exceeds the model's max_position_embeddings {max_pos}")
     if not lm.full_attention_layers:
         raise UsageError("--model: the model has no full-attention layer to make sparse")
-    token_ids = lm.tokenizer(corpus.texts[args.novel], add_special_tokens=False).input_ids
+    token_ids = lm.tokenizer(source_text, add_special_tokens=False).input_ids
     windows = {
-        ctx: sample_windows(token_ids, args.novel, ctx, args.windows, args.window_seed) for ctx in cfg["contexts"]
+        ctx: sample_windows(token_ids, text_name, ctx, args.windows, args.window_seed) for ctx in cfg["contexts"]
     }
     grid_settings = GridSettings(
         contexts=cfg["contexts"],
@@ -293,20 +344,32 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         logits_chunk=args.logits_chunk,
         metric_sink_tokens=args.sink_tokens,
         metric_stride=args.metric_stride,
+        bootstrap=cfg["bootstrap"],
     )
+    probes = None
+    if cfg["probe"] is not None:
+        vocabulary = sorted(set(token_ids))
+        probes = {ctx: [make_probe_window(windows[ctx][0], vocabulary, cfg["probe"])] for ctx in cfg["contexts"]}
     self_check = None
     if not args.skip_self_check:
         first = windows[cfg["contexts"][0]][0]
         self_check = {"tokens": min(512, len(first.token_ids)), "max_abs_logit_diff": select_all_self_check(lm, first)}
     t1 = time.perf_counter()
-    grid = run_grid(lm, windows, grid_settings, progress=not args.no_progress)
+    grid = run_grid(lm, windows, grid_settings, progress=not args.no_progress, probes=probes,
+                    probe_settings=cfg["probe"])
     t_grid = time.perf_counter() - t1
     verdicts = evaluate_gate(grid, cfg["policy_modes"], cfg["gate"])
     settings = {
         "argv": list(sys.argv[1:] if argv is None else argv),
         "model": lm.describe(),
-        "text": {"novel": args.novel, "novel_tokens": len(token_ids), "windows": args.windows,
-                 "window_seed": args.window_seed, "source": corpus.source, "add_special_tokens": False},
+        "text": {"novel": text_name, "novel_tokens": len(token_ids), "windows": args.windows,
+                 "window_seed": args.window_seed, "source": text_source, "add_special_tokens": False,
+                 "file": None if cfg["text_path"] is None else str(cfg["text_path"]),
+                 "sha256": text_source.get("sha256") if cfg["text_path"] is not None else None},
+        "bootstrap": vars(cfg["bootstrap"]),
+        "probe": None if cfg["probe"] is None else {
+            "segment": cfg["probe"].segment, "distances": [str(f) for f in cfg["probe"].distances],
+            "seed": cfg["probe"].seed, "windows_per_context": 1},
         "grid": {"contexts": list(cfg["contexts"]), "budgets": [str(b) for b in cfg["budgets"]],
                  "selectors": list(cfg["selectors"]), "query_chunk": args.query_chunk,
                  "logits_chunk": args.logits_chunk, "metric_stride": args.metric_stride},
@@ -327,6 +390,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     print(markdown_report(grid, list(cfg["selectors"]), verdicts, settings))
     print("Gate:")
     print(format_gate(verdicts) or "(no policy mode in --selectors)")
+    if grid.probe is not None:
+        print("\nCopy probe:")
+        print(probe_summary(grid.probe, list(cfg["selectors"])))
     if args.raised_gate:
         raised = evaluate_raised_gate(grid)
         print("\nRaised gate:")

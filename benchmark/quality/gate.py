@@ -2,11 +2,16 @@
 
 Checks for a policy mode (perplexity over the whole text window, every context run):
 
-1. quality at the gate budget: ``ppl(mode) / ppl(dense) <= max_ppl_ratio`` (1.01 at 1/4);
-2. no harm to the indexer: ``ppl(mode) / ppl(learned) - 1 <= max_regression_vs_learned``
-   (0.2 %) at every budget;
-3. better than the null models: ``ppl(mode) < ppl(locality)`` and ``< ppl(random)`` at
-   every budget.
+1. quality at the gate budget: ``ppl(mode) / ppl(dense) <= max_ppl_ratio`` (1.01 at 1/4;
+   the point estimate, with its interval printed);
+2. no harm to the indexer: the upper bound of the bootstrap interval of
+   ``ppl(mode) / ppl(learned)`` is ``<= 1 + max_regression_vs_learned`` (0.2 %) at every
+   budget;
+3. better than the null models: the upper bound of the interval of
+   ``ppl(mode) / ppl(locality)`` (and ``random``) is ``< 1`` at every budget.
+
+Intervals: :mod:`benchmark.quality.intervals` (paired chunk bootstrap over the text
+windows); without per-token losses they collapse to the point estimates.
 
 A check whose inputs were not run (budget or selector left out) is *not measured*; a
 mode with no failing check but an unmeasured one is INCOMPLETE. A FAIL is a finding.
@@ -64,24 +69,25 @@ def evaluate_gate(grid: GridResult, modes: Sequence[str], thresholds: GateThresh
         checks = []
         # 1. perplexity ratio at the gate budget.
         for ctx in contexts:
-            ratio = grid.ppl_ratio(ctx, thresholds.gate_budget, mode)
+            iv = grid.interval(ctx, thresholds.gate_budget, mode)
             name = f"ppl/dense <= {thresholds.max_ppl_ratio:g} at budget {thresholds.gate_budget} (ctx {ctx})"
-            if ratio is None:
+            if iv is None:
                 checks.append(Check(name, None, "not measured (budget or mode not in the grid)"))
             else:
-                checks.append(Check(name, ratio <= thresholds.max_ppl_ratio, f"{ratio:.4f}"))
+                checks.append(Check(name, iv.point <= thresholds.max_ppl_ratio, f"{iv.describe()} (95% CI)"))
         # 2. never worse than learned alone by more than the allowed regression.
         for ctx in contexts:
             worst, parts, missing = None, [], False
             for b in budgets:
-                mine, learned = grid.cell(ctx, b, mode), grid.cell(ctx, b, "learned")
-                if mine is None or learned is None:
+                iv = grid.interval(ctx, b, mode, "learned")
+                if iv is None:
                     missing = True
                     continue
-                reg = mine.ppl / learned.ppl - 1.0
-                parts.append(f"{b}: {reg * 100:+.2f}%")
+                reg = iv.hi - 1.0
+                parts.append(f"{b}: {iv.describe_pct()}")
                 worst = reg if worst is None else max(worst, reg)
-            name = f"ppl/learned - 1 <= {thresholds.max_regression_vs_learned * 100:g}% at every budget (ctx {ctx})"
+            name = (f"ppl/learned - 1 <= {thresholds.max_regression_vs_learned * 100:g}% at every budget "
+                    f"(upper bound of the 95% CI; ctx {ctx})")
             if worst is None:
                 checks.append(Check(name, None, "not measured (learned not in the grid)"))
             else:
@@ -96,10 +102,11 @@ def evaluate_gate(grid: GridResult, modes: Sequence[str], thresholds: GateThresh
                     if mine is None or base is None:
                         continue
                     measured = True
-                    better = mine.ppl < base.ppl
+                    iv = grid.interval(ctx, b, mode, null)
+                    better = iv.hi < 1.0
                     ok &= better
-                    parts.append(f"{b}: {mine.ppl:.3f} vs {base.ppl:.3f}")
-                name = f"ppl < {null} at every budget (ctx {ctx})"
+                    parts.append(f"{b}: {mine.ppl:.3f} vs {base.ppl:.3f}, ratio {iv.describe()}")
+                name = f"ppl < {null} at every budget (95% CI of ppl/{null} below 1; ctx {ctx})"
                 detail = ", ".join(parts) or f"not measured ({null} not run)"
                 checks.append(Check(name, ok if measured else None, detail))
         verdicts.append(Verdict(mode, tuple(checks)))

@@ -8,6 +8,7 @@ block stays small: 9 heads x 256 queries x 8192 keys x 4 B = 75 MB at 8k context
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -66,6 +67,16 @@ class LayerInputs:
     def groups(self) -> int:
         return self.query.shape[0] // self.key.shape[0]
 
+    @functools.cached_property
+    def expanded_key(self) -> torch.Tensor:
+        """fp32 ``[H, L, D]``: keys repeated per query head (built once per layer, not per chunk)."""
+        return self.key.repeat_interleave(self.groups, dim=0) if self.groups > 1 else self.key
+
+    @functools.cached_property
+    def expanded_value(self) -> torch.Tensor:
+        """fp32 ``[H, L, D]``: values repeated per query head."""
+        return self.value.repeat_interleave(self.groups, dim=0) if self.groups > 1 else self.value
+
     def chunks(self) -> Iterator[Tuple[int, int, int]]:
         """``(c0, c1, lc)``: query rows ``[c0, c1)`` and the ``lc`` keys they can reach."""
         T, L = self.num_queries, self.key_length
@@ -115,8 +126,8 @@ class LayerInputs:
         """
         q = self.query[:, c0:c1] if rows is None else self.query[:, c0:c1][:, rows]  # [H, Tq, D]
         if self.softcap is None:
-            k = self.key[:, :lc].repeat_interleave(self.groups, dim=0)  # [H, lc, D]
-            v = self.value[:, :lc].repeat_interleave(self.groups, dim=0)
+            k = self.expanded_key[:, :lc]  # [H, lc, D]
+            v = self.expanded_value[:, :lc]
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask[None, None], scale=self.scaling)
             return out[0]

@@ -26,14 +26,22 @@ def markdown_report(
         f"Model `{Path(model['gguf_path']).name}` (sha256 {model['gguf_sha256'][:12]}), "
         f"{model['num_hidden_layers']} layers, {model['num_attention_heads']} q / "
         f"{model['num_key_value_heads']} kv heads; sparse layers {len(model['full_attention_layers'])}. "
-        f"Text: {settings['text']['novel']}, windows {settings['text']['windows']}. "
-        f"torch {settings['versions']['torch']}."
+        f"Text: {settings['text']['novel']}"
+        + (f" (file {settings['text']['file']}, sha256 {settings['text']['sha256']})"
+           if settings['text'].get('file') else "")
+        + f", windows {settings['text']['windows']}. torch {settings['versions']['torch']}."
     )
     out += ["", "## Gate", "", "| mode | verdict | check | result | numbers |", "|---|---|---|---|---|"]
     for v in verdicts:
         for i, c in enumerate(v.checks):
             mode, status = (v.mode, v.status) if i == 0 else ("", "")
             out.append(f"| {mode} | {status} | {c.name} | {check_mark(c.passed)} | {c.detail} |")
+    out += ["", *interval_table(grid, selector_order, settings)]
+    probe = getattr(grid, "probe", None)
+    if probe is not None:
+        from benchmark.quality.probe import probe_markdown
+
+        out += ["", *probe_markdown(probe, selector_order)]
     out += [
         "",
         "## Results",
@@ -67,6 +75,21 @@ def markdown_report(
     return "\n".join(out) + "\n"
 
 
+def interval_table(grid: GridResult, selector_order: Sequence[str], settings: Dict) -> List[str]:
+    """Perplexity ratios to dense and to ``learned`` with their bootstrap intervals."""
+    b = grid.bootstrap
+    out = ["## Perplexity ratios with 95% intervals", "",
+           f"Paired chunk bootstrap ({b.samples} replicates; resampling unit: {b.chunk} consecutive tokens "
+           f"of one window; {settings['text']['windows']} window(s) per context; docs/quality.md).", "",
+           "| ctx | budget | selector | ppl / dense [95% CI] | ppl / learned [95% CI] |", "|---|---|---|---|---|"]
+    for cell in sorted_cells(grid, selector_order):
+        vd = grid.interval(cell.context, cell.budget, cell.selector)
+        vl = grid.interval(cell.context, cell.budget, cell.selector, "learned")
+        out.append(f"| {cell.context} | {cell.budget} | {cell.selector} | {vd.describe()} | "
+                   f"{'-' if vl is None or cell.selector == 'learned' else vl.describe()} |")
+    return out
+
+
 def json_report(grid: GridResult, selector_order: Sequence[str], verdicts: Sequence[Verdict], settings: Dict) -> Dict:
     return {
         "settings": settings,
@@ -80,6 +103,7 @@ def json_report(grid: GridResult, selector_order: Sequence[str], verdicts: Seque
             for ctx, d in sorted(grid.dense.items())
         },
         "windows": {str(ctx): [w.describe() for w in ws] for ctx, ws in grid.windows.items()},
+        "probe": None if getattr(grid, "probe", None) is None else grid.probe.to_json(),
         "cells": [cell_summary(grid, c) for c in sorted_cells(grid, selector_order)],
         "gate": [
             {"mode": v.mode, "status": v.status,

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from benchmark.quality.intervals import BootstrapSettings, Interval, ratio_interval
 from benchmark.quality.layer import DEFAULT_QUERY_CHUNK
 from benchmark.quality.metrics import LayerMetrics, perplexity, summarize_layers, token_nll
 from benchmark.quality.model import LoadedModel
@@ -38,6 +39,7 @@ class GridSettings:
     logits_chunk: int = 1024
     metric_sink_tokens: int = 4  # sink retention counts the first 4 positions (docs/quality.md)
     metric_stride: int = 1  # measure per-layer metrics on every n-th query row
+    bootstrap: BootstrapSettings = BootstrapSettings()
 
 
 def budget_width(context: int, fraction: Fraction) -> int:
@@ -60,6 +62,8 @@ class CellResult:
     metrics: LayerMetrics = dataclasses.field(default_factory=LayerMetrics)
     selector_stats: Dict[str, float] = dataclasses.field(default_factory=dict)
     sparse_layers: Tuple[int, ...] = ()
+    # fp64 per-token NLL of each window, in window order (for the bootstrap intervals)
+    window_nll: List[torch.Tensor] = dataclasses.field(default_factory=list)
 
     @property
     def ppl(self) -> float:
@@ -81,6 +85,7 @@ class DenseResult:
     tokens: int = 0
     nll_after: Dict[int, Tuple[float, int]] = dataclasses.field(default_factory=dict)  # W -> (sum, count)
     seconds: float = 0.0
+    window_nll: List[torch.Tensor] = dataclasses.field(default_factory=list)
 
     @property
     def ppl(self) -> float:
@@ -96,6 +101,8 @@ class GridResult:
     dense: Dict[int, DenseResult]
     cells: List[CellResult]
     windows: Dict[int, List[TextWindow]]
+    bootstrap: BootstrapSettings = BootstrapSettings()
+    probe: Optional[object] = None  # benchmark.quality.probe.ProbeResult when the copy probe ran
 
     def cell(self, context: int, budget: Fraction, selector: str) -> Optional[CellResult]:
         for c in self.cells:
@@ -106,6 +113,17 @@ class GridResult:
     def ppl_ratio(self, context: int, budget: Fraction, selector: str) -> Optional[float]:
         c = self.cell(context, budget, selector)
         return None if c is None else c.ppl / self.dense[context].ppl
+
+    def interval(self, context: int, budget: Fraction, selector: str, reference: str = "dense") -> Optional[Interval]:
+        """``ppl(selector) / ppl(reference)`` with its bootstrap interval (:mod:`benchmark.quality.intervals`).
+
+        reference : ``"dense"`` or another selector's name. None when either was not run.
+        """
+        c = self.cell(context, budget, selector)
+        ref = self.dense.get(context) if reference == "dense" else self.cell(context, budget, reference)
+        if c is None or ref is None:
+            return None
+        return ratio_interval(c.window_nll, ref.window_nll, self.bootstrap, point=c.ppl / ref.ppl)
 
 
 def window_nll(lm: LoadedModel, window: TextWindow, plan: Optional[SparsePlan], logits_chunk: int) -> torch.Tensor:
@@ -141,18 +159,43 @@ def select_all_self_check(lm: LoadedModel, window: TextWindow, tokens: int = 512
     return float((sparse - dense).abs().max())
 
 
+def window_hidden(lm: LoadedModel, window: TextWindow, plan: Optional[SparsePlan]) -> torch.Tensor:
+    """``[T, C]`` final hidden states of ``window`` under ``plan`` (None = dense)."""
+    ids = torch.tensor([window.token_ids], dtype=torch.int64)
+    kwargs = {} if plan is None else {PLAN_KWARG: plan}
+    with torch.inference_mode():
+        return lm.model.base_model(input_ids=ids, use_cache=False, **kwargs).last_hidden_state[0]
+
+
+def _probe_forward(lm: LoadedModel, probe, plan: Optional[SparsePlan]):
+    from benchmark.quality.probe import probe_scores
+
+    hidden = window_hidden(lm, probe.window, plan)
+    softcap = getattr(lm.model.config, "final_logit_softcapping", None)
+    with torch.inference_mode():
+        return probe_scores(hidden, lm.model.get_output_embeddings(), probe, softcap)
+
+
 def run_grid(
     lm: LoadedModel,
     windows: Dict[int, List[TextWindow]],
     settings: GridSettings,
     progress: bool = True,
+    probes: Optional[Dict[int, list]] = None,
+    probe_settings=None,
 ) -> GridResult:
-    """Run every cell; ``windows`` maps each context to its text windows."""
+    """Run every cell; ``windows`` maps each context to its text windows.
+
+    probes : context -> :class:`~benchmark.quality.probe.ProbeWindow` list: the copy probe
+        runs each of them dense and under every (budget, selector), without metrics.
+    """
     from tqdm import tqdm
 
     selectors = {n: make_selector(n, settings.selector_settings, settings.policy_settings) for n in settings.selectors}
     full_layers = frozenset(lm.full_attention_layers)
+    probes = probes or {}
     total = sum(len(w) * (1 + len(settings.budgets) * len(selectors)) for w in windows.values())
+    total += sum(len(probes.get(c, ())) * (1 + len(settings.budgets) * len(selectors)) for c in windows)
     bar = tqdm(total=total, disable=not progress, unit="fwd", dynamic_ncols=True)
     dense: Dict[int, DenseResult] = {}
     cells: Dict[Tuple[int, Fraction, str], CellResult] = {}
@@ -165,6 +208,7 @@ def run_grid(
             d.seconds += time.perf_counter() - start
             d.nll_sum += float(nll.sum())
             d.tokens += nll.numel()
+            d.window_nll.append(nll.detach().to(torch.float64).cpu())
             bar.update()
             for budget in settings.budgets:
                 width = budget_width(context, budget)
@@ -189,19 +233,50 @@ def run_grid(
                     cell.tokens += nll_sparse.numel()
                     cell.sparse_nll_sum += float(nll_sparse[width:].sum())
                     cell.sparse_tokens += nll_sparse[width:].numel()
+                    cell.window_nll.append(nll_sparse.detach().to(torch.float64).cpu())
                     cell.sparse_layers = tuple(sorted(set(plan.sparse_layers)))
                     for stats in plan.selector_stats.values():
                         for key, value in stats.items():
                             cell.selector_stats[key] = cell.selector_stats.get(key, 0) + value
                     bar.update()
+    probe_result = None
+    if probes:
+        from benchmark.quality.probe import ProbeCell, ProbeResult, ProbeSettings
+
+        probe_result = ProbeResult(probe_settings or ProbeSettings(), {}, {}, {}, {})
+        for context in settings.contexts:
+            for pw in probes.get(context, ()):
+                k = len(pw.segments)
+                probe_result.distances[context] = pw.distances
+                probe_result.windows.setdefault(context, []).append(pw)
+                bar.set_postfix_str(f"ctx {context} probe dense")
+                d = probe_result.dense.setdefault(context, ProbeCell.empty(k))
+                start = time.perf_counter()
+                d.add(_probe_forward(lm, pw, None))
+                d.seconds += time.perf_counter() - start
+                bar.update()
+                for budget in settings.budgets:
+                    width = budget_width(context, budget)
+                    for name, selector in selectors.items():
+                        bar.set_postfix_str(f"ctx {context} probe W {width} {name}")
+                        cell = probe_result.cells.setdefault((context, budget, name), ProbeCell.empty(k))
+                        plan = SparsePlan(selector=selector, width=width, full_attention_layers=full_layers,
+                                          query_chunk=settings.query_chunk)
+                        start = time.perf_counter()
+                        cell.add(_probe_forward(lm, pw, plan))
+                        cell.seconds += time.perf_counter() - start
+                        bar.update()
     bar.close()
-    return GridResult(dense=dense, cells=list(cells.values()), windows=windows)
+    return GridResult(dense=dense, cells=list(cells.values()), windows=windows, bootstrap=settings.bootstrap,
+                      probe=probe_result)
 
 
 def cell_summary(grid: GridResult, cell: CellResult) -> Dict[str, object]:
     """Every figure of one cell, JSON-ready."""
     d = grid.dense[cell.context]
     per_layer = cell.metrics.layer_summary()
+    vs_dense = grid.interval(cell.context, cell.budget, cell.selector)
+    vs_learned = grid.interval(cell.context, cell.budget, cell.selector, "learned")
     return {
         "context": cell.context,
         "budget": str(cell.budget),
@@ -211,6 +286,9 @@ def cell_summary(grid: GridResult, cell: CellResult) -> Dict[str, object]:
         "ppl": cell.ppl,
         "ppl_dense": d.ppl,
         "ppl_ratio": cell.ppl / d.ppl,
+        "ppl_ratio_ci": [vs_dense.lo, vs_dense.hi],
+        "ppl_ratio_vs_learned": None if vs_learned is None else vs_learned.to_json(),
+        "windows": len(cell.window_nll),
         "ppl_sparse_rows": cell.sparse_ppl,
         "ppl_sparse_rows_dense": d.sparse_ppl(cell.width),
         "ppl_sparse_rows_ratio": cell.sparse_ppl / d.sparse_ppl(cell.width),

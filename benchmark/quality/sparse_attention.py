@@ -126,9 +126,9 @@ def sparse_layer_attention(
     recall ``mean_h sum_{s in S} p_h[s]``; cosine difference ``1 - 2<a,b>/(|a|^2+|b|^2)``
     of the ``[H*D]`` dense and sparse outputs; top-1 hit (share of heads whose dense
     argmax key is in ``S``); sink retention (share of the first ``sink_tokens`` positions
-    in ``S``). Only every ``metric_stride``-th query row is measured. Recall uses
-    ``exp(logit - logsumexp)`` at the ``W`` selected keys only, so no second
-    ``[H, Tc, L]`` softmax is formed.
+    in ``S``). Only every ``metric_stride``-th query row is measured. The measured rows'
+    logits are computed once and give every metric and the dense output (one matmul,
+    one softmax and one ``p @ v`` per chunk).
     """
     H, T, _ = layer.query.shape
     selected = rows_to_mask(rows, layer.key_length)  # [T, L] bool
@@ -142,27 +142,57 @@ def sparse_layer_attention(
             long_rows &= torch.arange(c0, c1, device=long_rows.device) % metric_stride == 0
         if metrics is None or not bool(long_rows.any()):
             continue
-        logits = layer.logits(c0, c1, lc)  # [H, Tc, lc]
         if bool(long_rows.all()):
             keep, allowed_k, sel_k = None, allowed, sel
+            q = layer.query[:, c0:c1]
         else:
             keep = torch.nonzero(long_rows).squeeze(1)  # harness code: a host sync is fine here
-            allowed_k, sel_k, logits = allowed[keep], sel[keep], logits[:, keep]  # [Tk, lc], [H, Tk, lc]
-        # Only the last c1 - c0 columns can be masked (causal, or the model's own mask).
-        tail = max(0, lc - (c1 - c0)) if layer.allowed is None else 0
-        logits[:, :, tail:].masked_fill_(~allowed_k[:, tail:].unsqueeze(0), float("-inf"))
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [H, Tk, 1]
-        rows_k = (rows[c0:c1] if keep is None else rows[c0:c1][keep]).to(torch.int64)  # [Tk, W]
-        idx = rows_k.clamp(min=0)
-        kept = (torch.gather(sel_k, 1, idx) & (rows_k >= 0)).unsqueeze(0)  # [1, Tk, W]
-        p_sel = torch.exp(torch.gather(logits, 2, idx.unsqueeze(0).expand(H, -1, -1)) - lse) * kept  # [H, Tk, W]
-        recall = p_sel.sum(dim=-1).mean(dim=0)  # [Tk]
-        top1 = torch.gather(sel_k, 1, logits.argmax(dim=-1).transpose(0, 1)).to(torch.float32).mean(dim=1)
+            allowed_k, sel_k = allowed[keep], sel[keep]  # [Tk, lc]
+            q = layer.query[:, c0:c1][:, keep]  # [H, Tk, D]
+        # One logits block serves every metric: dense probabilities p (softmax over the
+        # allowed keys), recall = mass of p on the selected keys, top-1 = p's argmax kept,
+        # and the dense output p @ v for the cosine difference against the sparse output.
+        logits = layer.head_dot(q, layer.key[:, :lc]) * layer.scaling  # [H, Tk, lc]
+        if layer.softcap is not None:
+            logits = torch.tanh(logits / layer.softcap) * layer.softcap
+        logits.masked_fill_(~allowed_k.unsqueeze(0), float("-inf"))
+        p = torch.softmax(logits, dim=-1)  # [H, Tk, lc]
+        del logits
+        recall = (p * sel_k.unsqueeze(0)).sum(dim=-1).mean(dim=0)  # [Tk]
+        top1 = torch.gather(sel_k, 1, p.argmax(dim=-1).transpose(0, 1)).to(torch.float32).mean(dim=1)
         sink = sel_k[:, :sink_tokens].to(torch.float32).mean(dim=1)
-        a = layer.masked_attention(c0, c1, lc, allowed_k, rows=keep).transpose(0, 1).flatten(1)  # [Tk, H*D]
+        a = layer.weighted_values(p).transpose(0, 1).flatten(1)  # [Tk, H*D]
         b = (out[:, c0:c1] if keep is None else out[:, c0:c1][:, keep]).transpose(0, 1).flatten(1)
         cos_diff = 1.0 - 2.0 * (a * b).sum(-1) / ((a * a).sum(-1) + (b * b).sum(-1)).clamp(min=1e-30)
         metrics.add(layer.layer_idx, recall=recall, cos_diff=cos_diff, top1=top1, sink=sink)
+    return out
+
+
+def gather_sparse_attention(layer: LayerInputs, rows: torch.Tensor) -> torch.Tensor:
+    """Reference path: attention over the gathered ``W`` keys of each row: fp32 ``[H, T, D]``.
+
+    What a sparse kernel does (gather ``K[rows]``, ``V[rows]``, softmax over the ``W``
+    entries, ``-1`` padding masked). :func:`sparse_layer_attention` runs masked dense
+    attention per query chunk instead (a boolean ``[Tc, L]`` mask from the rows, one fused
+    SDPA call), which on CPU costs about a dense forward; the tests pin that both give the
+    same output within fp32 noise. Cost here: ``[H, Tc, W, D]`` gathered keys per chunk.
+    """
+    H, T, D = layer.query.shape
+    out = torch.empty(H, T, layer.value.shape[-1], device=layer.query.device)
+    k_all, v_all = layer.expanded_key, layer.expanded_value  # [H, L, D]
+    for c0, c1, lc in layer.chunks():
+        r = rows[c0:c1].to(torch.int64)  # [Tc, W]
+        valid = r >= 0
+        if layer.allowed is not None:
+            valid &= torch.gather(layer.allowed[c0:c1], 1, r.clamp(min=0))
+        idx = r.clamp(min=0)
+        k = k_all[:, idx]  # [H, Tc, W, D]
+        v = v_all[:, idx]
+        s = torch.einsum("htd,htwd->htw", layer.query[:, c0:c1], k) * layer.scaling
+        if layer.softcap is not None:
+            s = torch.tanh(s / layer.softcap) * layer.softcap
+        p = torch.softmax(s.masked_fill(~valid.unsqueeze(0), float("-inf")), dim=-1)
+        out[:, c0:c1] = torch.einsum("htw,htwd->htd", p, v)
     return out
 
 

@@ -178,15 +178,48 @@ def ensure_austen_text(data_dir: Path) -> AustenCorpus:
     return AustenCorpus(texts=texts, source=source)
 
 
-def sample_windows(token_ids: Sequence[int], novel: str, context: int, count: int, seed: int) -> List[TextWindow]:
-    """``count`` windows of ``context`` tokens at seeded uniform start positions.
+def load_text_file(path: Path) -> Tuple[str, Dict[str, str]]:
+    """Any UTF-8 text file as a source of windows: (text, source) with the file's sha256.
 
-    Starts are drawn by ``random.Random(seed)`` from ``[0, len - context]`` without
-    replacement and sorted, so the same seed always gives the same windows.
+    The text is read as is (no reflow): windows are token spans of whatever the file holds.
+    A file that is not valid UTF-8 is a :class:`UsageError` naming the first bad byte.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--text: no such file {path}")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--text: {path} is not UTF-8 (byte {exc.start}: {exc.reason})") from None
+    if not text.strip():
+        raise UsageError(f"--text: {path} holds no text")
+    source = {"file": str(path), "sha256": file_sha256(path), "bytes": str(len(raw))}
+    return text, source
+
+
+def sample_windows(token_ids: Sequence[int], novel: str, context: int, count: int, seed: int) -> List[TextWindow]:
+    """``count`` windows of ``context`` tokens, deterministic in ``seed``.
+
+    One window: a start drawn by ``random.Random(seed)`` from ``[0, len - context]`` (the
+    harness's original rule, so ``--windows 1`` runs reproduce earlier ones). Several:
+    spread over the text and not overlapping when the text is long enough: the slack
+    ``len - count * context`` is cut into ``count`` equal strata, one offset ``u_i`` is
+    drawn in each, and window ``i`` starts at ``u_i + i * context``. A text too short for
+    ``count`` disjoint windows gets one seeded start per stratum of ``[0, len - context]``
+    (windows then overlap). Starts are sorted and distinct.
     """
     span = len(token_ids) - context
     if span < 0:
         raise UsageError(f"--context: {novel} has {len(token_ids)} tokens, fewer than the context {context}")
     rng = random.Random(seed)
-    starts = sorted(rng.sample(range(span + 1), k=min(count, span + 1)))
+    if count <= 1:
+        starts = sorted(rng.sample(range(span + 1), k=min(count, span + 1)))
+    else:
+        slack = len(token_ids) - count * context
+        if slack >= 0:
+            starts = [rng.randint(i * slack // count, (i + 1) * slack // count) + i * context for i in range(count)]
+        else:
+            starts = [rng.randint(i * span // count, (i + 1) * span // count) for i in range(count)]
+        starts = sorted(set(starts))
     return [TextWindow(novel, s, tuple(token_ids[s : s + context])) for s in starts]
