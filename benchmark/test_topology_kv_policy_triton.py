@@ -351,6 +351,8 @@ def test_rejects_mismatched_buffers():
     with pytest.raises(ValueError, match="counters"):
         topology_kv_policy_triton(x, L, None, None, None, None, counters=torch.zeros(3, dtype=torch.int64,
                                   device=DEVICE), **_kw(MERGE, 2))
+    with pytest.raises(ValueError, match="W > 0"):
+        topology_kv_policy_triton(_t([[]]), L, None, None, None, None, **_kw(MERGE, 0))
     with pytest.raises(ValueError, match="mode"):
         topology_kv_policy_triton(x, L, None, None, None, None, **_kw(TopologyKVPolicyMode.DISABLED, 2))
 

@@ -8,8 +8,10 @@ contract: a *broken* row is returned unchanged and counted only in
 is ``<= 0``, ``offset + length - 1`` exceeds the row dtype's maximum, a non-negative entry
 lies outside ``[offset, offset + length)``, a padding (negative) entry precedes a valid
 one, a valid entry appears twice, or (with ``drift``) the row needs more blocks,
-``ceil(length / block_size)``, than ``drift`` has columns (the core's ``row_violations``). Lengths, offsets and scaffold spans are read as int64
-whatever their dtype (int32 or int64, independently of the rows'); the checks run in int64.
+``ceil(length / block_size)``, than ``drift`` has columns (the core's ``row_violations``).
+Lengths, offsets and scaffold spans are read as int64 whatever their dtype (int32 or int64,
+independently of the rows'); the checks run in int64 and never overflow (the interval
+check is ``entry - offset >= length``, so a row ending at the dtype's maximum is good).
 
 Shapes and dtypes
 -----------------
@@ -397,6 +399,8 @@ def _launch_spec(
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64) or x.dim() != 2:
         raise TypeError("topk_indices: expected an int32/int64 tensor [R, W]")
     R, W = x.shape
+    if W == 0:
+        raise ValueError(f"topk_indices: expected W > 0 columns, got shape {tuple(x.shape)}")
     dev = x.device
     _vec("lengths", lengths, R, dev)
     if offsets is not None:
