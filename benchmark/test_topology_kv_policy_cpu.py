@@ -30,7 +30,6 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_config import TopologyKVPolicy
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy_core import (  # noqa: E402
     COUNTER_NAMES,
     topology_kv_policy_core,
-    topology_only_learned_kept,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy_cpu import (  # noqa: E402
     can_use_cpu_kernel,
@@ -73,15 +72,23 @@ def broken_rows(x, lengths, offsets, drift=None, block_size=1) -> torch.Tensor:
 
 
 def core_with_lazy(x, lengths, offsets, drift, scores, scaffold, **kw):
-    """The torch core plus ``apply_topology_kv_policy``'s lazy TOPOLOGY_ONLY counters."""
+    """The torch core plus ``apply_topology_kv_policy``'s lazy TOPOLOGY_ONLY counters.
+
+    Those count, over the good rows, the learned entries the output kept (``|learned &
+    out|``, by sets here), the others (evicted) and the selected ones not learned (injected).
+    """
     out, counters = topology_kv_policy_core(x, lengths, offsets, drift, scores, scaffold, **kw)
     mismatch = counters["mismatch_rows"]
     if kw["mode"] is ONLY:
-        kept = topology_only_learned_kept(x, out, mismatch)
-        learned = torch.where(mismatch, 0, (x >= 0).sum(dim=1))
-        counters["learned_kept_tokens"] = kept.sum()
-        counters["learned_evicted_tokens"] = (learned - kept).sum()
-        counters["structural_injected_tokens"] = counters["selected_tokens"] - kept.sum()
+        kept = learned = 0
+        for row, new, bad in zip(x.tolist(), out.tolist(), mismatch.tolist()):
+            if not bad:
+                mine = {v for v in row if v >= 0}
+                kept += len(mine & {v for v in new if v >= 0})
+                learned += len(mine)
+        counters["learned_kept_tokens"] = kept
+        counters["learned_evicted_tokens"] = learned - kept
+        counters["structural_injected_tokens"] = int(counters["selected_tokens"]) - kept
     return out, [int(counters[name]) for name in COUNTER_NAMES], mismatch
 
 

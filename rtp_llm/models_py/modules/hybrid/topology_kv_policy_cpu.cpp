@@ -72,10 +72,23 @@ inline int64_t score_bits(float s) {
 
 constexpr int64_t kShift = int64_t(1) << 32;
 
+// Division of non-negative values by the block size: a shift when it is a power of two
+// (the engine's 64), else a division (a 64-bit idiv costs ~40 cycles: kept out of loops).
+struct BlockDiv {
+  int64_t bs;
+  int shift;
+  bool pow2;
+  explicit BlockDiv(int64_t b) : bs(b), shift(0), pow2((b & (b - 1)) == 0) {
+    while ((int64_t(1) << shift) < b) ++shift;
+  }
+  int64_t div(int64_t v) const { return pow2 ? (v >> shift) : v / bs; }
+  int64_t mod(int64_t v) const { return pow2 ? (v & (bs - 1)) : v % bs; }
+};
+
 struct Scratch {
   std::vector<int64_t> xr, res, tok, inj, keys, wit, pos;
   std::vector<int32_t> ps, wit_of;
-  std::vector<uint8_t> flag;  // per priority slot: 1 present, 2 taken
+  std::vector<uint8_t> flag;  // per priority slot: 1 present, 2 taken; [S] a dummy
   std::vector<uint64_t> bitmap;
 };
 
@@ -91,15 +104,17 @@ void run_rows(const Params& P, int64_t begin, int64_t end) {
   const int64_t S = S_sink + l_tok + n_wit * bs;
   const int64_t comp_start_blk = token_sinks ? (P.sink_tokens + bs - 1) / bs : 0;
   const int64_t imax = std::numeric_limits<T>::max();
+  const BlockDiv bd(bs);
 
   Scratch s;
   s.xr.resize(W);
   s.res.resize(W);
   s.pos.resize(W);
   s.ps.resize(W);
-  s.tok.resize(S);
+  s.tok.resize(S + 1);
+  s.tok[S] = -1;  // slot S: "not structural" (never matches a position)
   s.inj.resize(S);
-  s.flag.assign(S, 0);
+  s.flag.assign(S + 1, 0);  // flag[S] stays 0 (rewritten below, re-zeroed)
   s.wit.resize(n_wit);
   if (P.has_drift) s.wit_of.assign(P.N, -1);
   int64_t acc[kCounters] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -204,27 +219,28 @@ void run_rows(const Params& P, int64_t begin, int64_t end) {
 
     int64_t* tok = s.tok.data();
     int64_t n_comp = 0;
-    for (int64_t p = 0; p < S_sink; ++p) {  // sinks ascending
-      int64_t t = p;
-      if (!token_sinks) {
-        const int64_t blk = p / bs;
-        if (blk >= sink_end) t = -1;
-        else if (P.compress && compressed(blk) && p % bs != 0) t = -1;
+    if (token_sinks) {  // sinks ascending
+      for (int64_t p = 0; p < S_sink; ++p) tok[p] = p < L ? p : -1;
+    } else {
+      for (int64_t blk = 0; blk < P.sink_blocks; ++blk) {
+        const bool comp = P.compress && blk < sink_end && compressed(blk);
+        n_comp += comp;
+        for (int64_t i = 0; i < bs; ++i) {
+          const int64_t t = blk * bs + i;
+          tok[t] = (blk >= sink_end || t >= L || (comp && i != 0)) ? -1 : t;
+        }
       }
-      tok[p] = t < L ? t : -1;
     }
-    if (P.compress && !token_sinks)
-      for (int64_t blk = 0; blk < sink_end; ++blk) n_comp += compressed(blk);
-    for (int64_t q = 0; q < l_tok; ++q) {  // locals: layout q, priority newest first
-      const int64_t blk = local_start + q / bs;
-      int64_t t = blk * bs + q % bs;
-      if (blk >= nb || t >= L || (partial && t < P.sink_tokens)) t = -1;
-      else if (P.compress && compressed(blk) && q % bs != 0) t = -1;
-      tok[S_sink + l_tok - 1 - q] = t;
+    for (int64_t lb = 0; lb < P.local_blocks; ++lb) {  // locals: priority newest first
+      const int64_t blk = local_start + lb;
+      const bool comp = P.compress && blk < nb && compressed(blk);
+      n_comp += comp;
+      int64_t* dst = tok + S_sink + l_tok - 1 - lb * bs;  // layout q = lb * bs + i at dst[-i]
+      for (int64_t i = 0; i < bs; ++i) {
+        const int64_t t = blk * bs + i;
+        dst[-i] = (blk >= nb || t >= L || (partial && t < P.sink_tokens) || (comp && i != 0)) ? -1 : t;
+      }
     }
-    if (P.compress)
-      for (int64_t blk = local_start; blk < std::min(local_start + P.local_blocks, nb); ++blk)
-        n_comp += compressed(blk);
     for (int64_t j = 0; j < n_wit; ++j) {  // witnesses in score order, tokens ascending
       const int64_t blk = wit[j];
       const bool comp = P.compress && blk >= 0 && compressed(blk);
@@ -241,28 +257,29 @@ void run_rows(const Params& P, int64_t begin, int64_t end) {
     int32_t* ps = s.ps.data();
     uint8_t* flag = s.flag.data();
     const int64_t local_lo = std::max(local_tok_start, sink_tok_end);
+    // Witness blocks lie in [sink_end, local_start); without drift in the last n_wit of them.
+    const int64_t wit_lo = (P.has_drift ? sink_end : std::max(sink_end, local_start - n_wit)) * bs;
+    const int64_t wit_hi = n_wit > 0 ? local_tok_start : 0;
+    const int64_t comp_lo = comp_start_blk * bs, comp_hi = comp_blk_end * bs;
+    // Selects rather than branches: which segment an entry hits is data-dependent.
+    // (Without locals, local_tok_start = nb * bs >= L: no entry reaches the local segment.)
+    const int32_t* wit_of = P.has_drift ? s.wit_of.data() : nullptr;
+    const int64_t wit_base = S_sink + l_tok;
     for (int64_t c = 0; c < n_valid; ++c) {
       const int64_t rel = xr[c] - off;
-      int64_t slot = S;
-      if (rel < sink_tok_end) {
-        slot = rel;
-      } else if (l_tok > 0 && rel >= local_lo) {
-        slot = S_sink + l_tok - 1 - (rel - local_tok_start);
-      } else if (n_wit > 0) {
-        const int64_t b = rel / bs;
-        int64_t j = -1;
-        if (P.has_drift) {
-          j = s.wit_of[b];
-        } else if (b >= sink_end && b < local_start && local_start - 1 - b < n_wit) {
-          j = local_start - 1 - b;
-        }
-        if (j >= 0) slot = S_sink + l_tok + j * bs + rel % bs;
-      }
-      if (P.compress && rel % bs != 0 && compressed(rel / bs)) slot = S;
-      if (slot < S && tok[slot] != rel) slot = S;  // an invalid slot holds nothing
+      const int64_t b = bd.div(rel);
+      const int64_t in_blk = rel - b * bs;
+      int64_t j = -1;
+      if (rel >= wit_lo && rel < wit_hi) j = wit_of ? int64_t(wit_of[b]) : local_start - 1 - b;
+      int64_t slot = j >= 0 ? wit_base + j * bs + in_blk : S;
+      slot = rel >= local_lo ? S_sink + l_tok - 1 - (rel - local_tok_start) : slot;
+      slot = rel < sink_tok_end ? rel : slot;
+      if (P.compress) slot = (rel >= comp_lo && rel < comp_hi && in_blk != 0) ? S : slot;
+      slot = tok[slot] == rel ? slot : S;  // an invalid slot holds nothing
       ps[c] = int32_t(slot);
-      if (slot < S) flag[slot] = 1;
+      flag[slot] = 1;
     }
+    flag[S] = 0;
     if (P.has_drift)
       for (int64_t j = 0; j < n_wit && wit[j] >= 0; ++j) s.wit_of[wit[j]] = -1;
 
@@ -279,7 +296,7 @@ void run_rows(const Params& P, int64_t begin, int64_t end) {
       n_sel = k;
       for (; k < W; ++k) res[k] = -1;
       n_kept = 0;
-      for (int64_t c = 0; c < n_valid; ++c) n_kept += ps[c] < S && (flag[ps[c]] & 2);
+      for (int64_t c = 0; c < n_valid; ++c) n_kept += flag[ps[c]] >> 1;
       n_inj = n_sel - n_kept;
       n_evict = n_valid - n_kept;
     } else {
@@ -300,7 +317,7 @@ void run_rows(const Params& P, int64_t begin, int64_t end) {
       }
       n_evict = std::max<int64_t>(n_valid + n_inj - W, 0);
       for (int64_t c = 0; c < W; ++c) res[c] = c < n_valid ? xr[c] : -1;
-      auto is_struct = [&](int64_t c) { return ps[c] < S && (flag[ps[c]] & 2); };
+      auto is_struct = [&](int64_t c) { return (flag[ps[c]] & 2) != 0; };
       if (n_evict > 0) {
         if (!P.has_scores) {  // the row's last n_evict non-structural entries, in row order
           int64_t* pos = s.pos.data();
@@ -316,7 +333,7 @@ void run_rows(const Params& P, int64_t begin, int64_t end) {
           for (int64_t c = 0; c < n_valid; ++c)
             if (!is_struct(c)) key[n++] = score_bits(sc[c * P.ss1]) * kShift + (W - 1 - c);
           const int64_t k = std::min(n_evict, n);
-          if (k < n) std::nth_element(key, key + k, key + n);
+          if (k < n) std::nth_element(key, key + k, key + n);  // expected O(n), then the k evicted
           std::sort(key, key + k);
           for (int64_t e = 0; e < k; ++e) res[W - 1 - (key[e] & 0xFFFFFFFF)] = inj[e];
         }
