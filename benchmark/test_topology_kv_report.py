@@ -19,12 +19,15 @@ def quick_report(tmp_path_factory):
 def test_every_section_file_and_plot(quick_report):
     out, rep = quick_report
     assert set(rep["parts"]) == set(report.PARTS)
-    for name in ("report.md", "micro.json", "policy.json", "e2e.json", "speedup_vs_budget.png", "e2e_breakdown.png",
-                 "quality/results.json", "quality/ppl_ratio_vs_budget.png"):
+    for name in ("report.md", "micro.json", "micro_warm.json", "policy.json", "e2e.json", "speedup_vs_budget.png",
+                 "e2e_breakdown.png", "e2e_step_vs_batch.png", "quality/results.json",
+                 "quality/ppl_ratio_vs_budget.png"):
         assert (out / name).exists(), name
     md = (out / "report.md").read_text()
     for heading in ("Attention microbenchmark", "Policy overhead", "End-to-end decode step", "Quality gate"):
         assert heading in md
+    assert "| seq_len | selected | dense ms (cold)" in md and "| context | B | rows | variant" in md
+    assert rep["parts"]["micro"]["args"]["cache"] == "cold" and rep["parts"]["micro"]["warm"]["args"]["cache"] == "warm"
 
 
 def test_sane_values_and_consistent_ratios(quick_report):
@@ -36,12 +39,14 @@ def test_sane_values_and_consistent_ratios(quick_report):
         assert row["policy_ms"] > 0 and row["topk_ms"] > 0
         assert row["policy_over_topk"] == pytest.approx(row["policy_ms"] / row["topk_ms"])
     rows = rep["parts"]["e2e"]["rows"]
+    assert {r["batch"] for r in rows} == {1, 4}  # --quick: two batch sizes for the step-vs-batch plot
     for row in rows:
-        dense = next(r for r in rows if r["context"] == row["context"] and r["variant"] == "dense")
-        assert row["token_ms_median"] > 0
-        assert row["speedup_vs_dense"] == pytest.approx(dense["token_ms_median"] / row["token_ms_median"])
+        dense = next(r for r in rows if (r["context"], r["batch"]) == (row["context"], row["batch"])
+                     and r["variant"] == "dense")
+        assert row["step_ms_median"] > 0 and 0 <= row["top1_agreement"] <= 1 and row["mean_kl"] >= 0
+        assert row["speedup_vs_dense"] == pytest.approx(dense["step_ms_median"] / row["step_ms_median"])
         parts = sum(row[f"{p}_ms"] for p in ("indexer", "policy", "attention", "rest"))
-        assert parts == pytest.approx(row["token_ms_median"], rel=0.5)  # medians of parts vs of totals
+        assert parts == pytest.approx(row["step_ms_median"], rel=0.5)  # medians of parts vs of totals
 
 
 def test_gate_and_summary_fields(quick_report):
