@@ -800,3 +800,25 @@ def test_duplicate_rule_is_the_same_with_and_without_a_drift_table(seed, W, dtyp
     by_bitmap = row_violations(x, L, off, drift_blocks=span, block_size=1)["duplicate"]
     want = [len(set(v for v in row if v >= 0)) != sum(1 for v in row if v >= 0) for row in x.tolist()]
     assert by_sort.tolist() == by_bitmap.tolist() == want
+
+
+I64_MAX = 2**63 - 1
+
+
+@pytest.mark.parametrize("mode", ENABLED_MODES)
+def test_int64_interval_ending_at_2_pow_63_is_valid_and_one_past_is_broken(mode):
+    # offset + length is 2**63 (one past int64): forming it overflowed, so a valid row was
+    # flagged broken; one token more does not fit int64 and must be broken.
+    L1 = _t([1], dtype=torch.int64)
+    x = _t([[I64_MAX, -1, -1, -1]], dtype=torch.int64)
+    O = _t([I64_MAX], dtype=torch.int64)
+    res = apply_topology_kv_policy(x, L1, config=_fallback(mode), topk_indices_offset=O)
+    assert res.counters.to_dict()["coordinate_mismatch_fallbacks"] == 0
+    assert res.indices.cpu().tolist() == [[I64_MAX, -1, -1, -1]]
+    check_topk_coordinates(x, L1, O)  # no error
+    L2 = _t([2], dtype=torch.int64)
+    res = apply_topology_kv_policy(x, L2, config=_fallback(mode), topk_indices_offset=O)
+    assert res.counters.to_dict()["coordinate_mismatch_fallbacks"] == 1
+    assert torch.equal(res.indices, x)
+    with pytest.raises(ValueError, match="row 0"):
+        check_topk_coordinates(x, L2, O)

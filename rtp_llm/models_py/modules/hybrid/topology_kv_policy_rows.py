@@ -67,8 +67,10 @@ def violations_of_rows(x, valid, n_valid, lengths, offsets, drift_blocks, block_
     out = {
         "offset": off < 0,
         "length": L <= 0,
-        "overflow": off + L - 1 > imax,
-        "interval": (hi >= off + L) | (lo < off),
+        # Both compared without forming off + L, which overflows int64 for offsets near its
+        # max (rows with off < 0 or L <= 0 are broken by the rules above whatever these say).
+        "overflow": L - 1 > imax - off,
+        "interval": (hi - off >= L) | (lo < off),
         "padding": any_per_row(valid ^ prefix),
         "duplicate": dup,
     }
