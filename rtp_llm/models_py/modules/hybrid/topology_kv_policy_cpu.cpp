@@ -85,7 +85,48 @@ struct BlockDiv {
   int64_t mod(int64_t v) const { return pow2 ? (v & (bs - 1)) : v % bs; }
 };
 
+// The k smallest of key[0, n) (unique), sorted ascending into key[0, k). A radix select on
+// 8-bit digits from the top finds the digits that separate them (each pass scans only the
+// bucket holding the k-th smallest), then one compaction and a sort of the k.
+void lowest_sorted(uint64_t* key, int64_t n, int64_t k, std::vector<uint64_t>& tmp) {
+  if (k <= 0) return;
+  if (k >= n) {
+    std::sort(key, key + n);
+    return;
+  }
+  tmp.resize(size_t(n));
+  const uint64_t* src = key;
+  int64_t m = n, below = 0;
+  uint64_t prefix = 0;
+  int shift = 56;
+  for (;; shift -= 8) {
+    int64_t hist[256] = {0};
+    for (int64_t i = 0; i < m; ++i) ++hist[(src[i] >> shift) & 255];
+    int d = 0;
+    while (below + hist[d] < k) below += hist[d++];
+    prefix |= uint64_t(d) << shift;
+    if (below + hist[d] == k || shift == 0) break;  // keys are unique: shift 0 always ends here
+    int64_t mm = 0;  // keep bucket d (in place when src is tmp: writes trail reads)
+    for (int64_t i = 0; i < m; ++i) {  // branchless: which keys stay is data-dependent
+      const uint64_t v = src[i];
+      tmp[mm] = v;
+      mm += int((v >> shift) & 255) == d;
+    }
+    src = tmp.data();
+    m = mm;
+  }
+  const uint64_t lim = prefix >> shift;  // exactly k keys have top bits <= lim
+  int64_t w = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t v = key[i];
+    key[w] = v;
+    w += (v >> shift) <= lim;
+  }
+  std::sort(key, key + k);
+}
+
 struct Scratch {
+  std::vector<uint64_t> ukeys, utmp;
   std::vector<int64_t> xr, res, tok, inj, keys, wit, pos;
   std::vector<int32_t> ps, wit_of;
   std::vector<uint8_t> flag;  // per priority slot: 1 present, 2 taken; [S] a dummy
@@ -326,16 +367,19 @@ void run_rows(const Params& P, int64_t begin, int64_t end) {
             if (!is_struct(c)) pos[cnt++] = c;
           for (int64_t e = 0; e < cnt; ++e) res[pos[cnt - 1 - e]] = inj[e];
         } else {  // lowest score first, ties: the later column first
-          s.keys.resize(W);
-          int64_t* key = s.keys.data();
+          // Unsigned keys (the int64 key with its sign bit flipped: same order).
+          s.ukeys.resize(W);
+          uint64_t* key = s.ukeys.data();
           const float* sc = P.scores + r * P.ss0;
+          const uint64_t flip = uint64_t(1) << 63;
           int64_t n = 0;
-          for (int64_t c = 0; c < n_valid; ++c)
-            if (!is_struct(c)) key[n++] = score_bits(sc[c * P.ss1]) * kShift + (W - 1 - c);
+          for (int64_t c = 0; c < n_valid; ++c) {
+            key[n] = uint64_t(score_bits(sc[c * P.ss1]) * kShift + (W - 1 - c)) ^ flip;
+            n += !is_struct(c);
+          }
           const int64_t k = std::min(n_evict, n);
-          if (k < n) std::nth_element(key, key + k, key + n);  // expected O(n), then the k evicted
-          std::sort(key, key + k);
-          for (int64_t e = 0; e < k; ++e) res[W - 1 - (key[e] & 0xFFFFFFFF)] = inj[e];
+          lowest_sorted(key, n, k, s.utmp);
+          for (int64_t e = 0; e < k; ++e) res[W - 1 - int64_t(key[e] & 0xFFFFFFFF)] = inj[e];
         }
       }
       for (int64_t e = n_evict; e < n_inj; ++e) res[n_valid + e - n_evict] = inj[e];
