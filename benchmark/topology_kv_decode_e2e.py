@@ -672,15 +672,22 @@ class BatchRun:
 
 @torch.no_grad()
 def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variants: Sequence[str], steps: int,
-                next_n: int, width: int, shape: IndexerShape) -> BatchRun:
-    """Prefill ``text`` once and lay out ``B`` requests (prefixes of it) for every variant."""
+                next_n: int, width: int, shape: IndexerShape, prefilled=None) -> BatchRun:
+    """Prefill ``text`` once and lay out ``B`` requests (prefixes of it) for every variant.
+
+    ``prefilled``: a :func:`prefill_text` result for ``text[:max(context_lens)]`` whose
+    logits positions include every ``c_b - 1`` (reused across batch sizes; not modified).
+    """
     H, Hkv, D = kv_geometry(model)
     C = max(context_lens)
     T = next_n + 1
     layout = Layout(list(context_lens), len(variants), T, steps)
-    K, V, logits, prefill_s = prefill_text(model, text[:C], [c - 1 for c in context_lens])
-    first = [int(x) for x in logits.argmax(dim=-1)]
-    del logits
+    want = [c - 1 for c in context_lens]
+    if prefilled is None:
+        prefilled = (*prefill_text(model, text[:C], want), want)
+    K, V, logits, prefill_s, positions = prefilled
+    row_of = {p: i for i, p in enumerate(positions)}
+    first = [int(logits[row_of[p]].argmax()) for p in want]
     pg = layout.page
     states = {name: VariantState(name, v, layout.block_table(v), {}, {}, list(context_lens))
               for v, name in enumerate(variants)}
@@ -717,7 +724,6 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
                 indexer.write_keys(index_keys[own_pos], pool.index_cache, slots)
                 st.trackers[layer] = base.clone()
         pools[layer] = pool
-        del K[layer], V[layer]
     shared_bytes = sum(p.shared(t).numel() * t.element_size() for p in pools.values()
                        for t in (p.k, p.v, p.index_cache.k_cache))
     shared_bytes += tensor_bytes(model.parameters())
@@ -969,10 +975,10 @@ def prompt_tokens(loaded, novel: str, context: int, data_dir) -> List[int]:
 
 
 def run_one(model, text: Sequence[int], context_lens: Sequence[int], variants: Sequence[str], steps: int,
-            next_n: int, width: int, shape: IndexerShape, warmup: int, on_step=None, log=None):
-    """Prefill, lay out, decode and summarize one (context, batch, mode); the table rows."""
+            next_n: int, width: int, shape: IndexerShape, warmup: int, on_step=None, log=None, prefilled=None):
+    """Prefill (unless ``prefilled``), lay out, decode and summarize one (context, batch, mode)."""
     _, Hkv, D = kv_geometry(model)
-    run = build_batch(model, text, context_lens, variants, steps, next_n, width, shape)
+    run = build_batch(model, text, context_lens, variants, steps, next_n, width, shape, prefilled)
     if log:
         log(f"[e2e] context {max(context_lens)} batch {len(context_lens)} rows/request {next_n + 1}: "
             f"dense prefill {run.prefill_s:.1f} s")
@@ -1005,10 +1011,14 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
     bar = None if (tqdm is None or args.no_progress) else tqdm(total=total, desc="decode e2e steps", file=sys.stderr)
     rows: List[Dict[str, object]] = []
     T = args.next_n + 1
+    prefilled = None
     for context, batch in configs:
         text = prompt_tokens(loaded, args.novel, context + (args.new_tokens * T if args.next_n else 0),
                              args.data_dir)
         lens = request_lengths(context, batch, args.length_spread)
+        if prefilled is None or prefilled[0] != context:  # one prefill per context, shared by the batches
+            want = sorted({c - 1 for b in args.batches for c in request_lengths(context, b, args.length_spread)})
+            prefilled = (context, (*prefill_text(model, text[:context], want), want))
 
         def on_step(i, context=context, batch=batch):
             if bar is not None:
@@ -1016,7 +1026,7 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
                 bar.set_postfix(context=context, batch=batch)
 
         rows += run_one(model, text, lens, args.variants, args.new_tokens, args.next_n, args.budget, shape,
-                        args.warmup, on_step, log)
+                        args.warmup, on_step, log, prefilled[1])
     if bar is not None:
         bar.close()
     return {
