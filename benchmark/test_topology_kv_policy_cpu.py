@@ -521,9 +521,10 @@ def test_strided_inputs():
 @pytest.mark.parametrize("scored", [False, True])
 def test_engine_shapes_in_parallel(mode, scored, threads):
     # The default config (block 64, 4 sink tokens, 2 local, 2 witness, 1/4 cap) on decode-like
-    # rows of width 512 over 4k tokens: 40 rows split into parallel chunks; a few broken rows.
+    # rows of width 512 over 4k tokens: 160 rows, more than one thread's grain (32768 entries
+    # = 64 rows) so that two threads split them; a few broken rows.
     gen = torch.Generator().manual_seed(11)
-    R, W, Lmax = 40, 512, 4096
+    R, W, Lmax = 160, 512, 4096
     L = torch.randint(1, Lmax, (R,), generator=gen)
     L[:4] = torch.tensor([Lmax, W, W - 7, 3])
     rows = []

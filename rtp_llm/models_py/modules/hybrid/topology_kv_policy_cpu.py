@@ -47,7 +47,12 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_policy_core import COUNTER_NAM
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "topology_kv_policy_cpu.cpp")
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_GRAIN_ENTRIES = 32768  # about this many row entries per parallel task
+_GRAIN_ENTRIES = 32768  # at least this many row entries per thread
+# -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into the
+# extension (without it, rows run serially); libgomp.so.1 resolves to the one torch loaded,
+# so torch.set_num_threads applies.
+_CFLAGS = ["-O3", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _ext = None  # the loaded extension module
@@ -74,12 +79,12 @@ def _load():
 
                 with open(_SOURCE, "rb") as f:
                     digest = hashlib.sha256(f.read())
-                digest.update(f"{sys.version_info[:2]}-{torch.__version__}".encode())
+                digest.update(f"{sys.version_info[:2]}-{torch.__version__}-{_CFLAGS}-{_LDFLAGS}".encode())
                 name = f"topology_kv_policy_cpu_{digest.hexdigest()[:16]}"
                 build_dir = _build_directory(name)
                 os.makedirs(build_dir, exist_ok=True)
-                _ext = load(name=name, sources=[_SOURCE], extra_cflags=["-O3"], build_directory=build_dir,
-                            verbose=False)
+                _ext = load(name=name, sources=[_SOURCE], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                            build_directory=build_dir, verbose=False)
             except Exception as exc:  # compiler missing, read-only cache, ...
                 _error = exc
         if _ext is None:
@@ -100,6 +105,11 @@ def can_use_cpu_kernel(device: Union[torch.device, str]) -> bool:
         return True
     except Exception:
         return False
+
+
+def build_error() -> Optional[str]:
+    """Why the extension did not build (after a failed :func:`can_use_cpu_kernel`), or None."""
+    return None if _error is None else repr(_error)
 
 
 def _vec(name: str, t, R: int) -> None:
