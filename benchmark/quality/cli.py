@@ -107,8 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token-granular sinks: the first N tokens (default 4, the engine's default), or "
                         "'blocks' for whole --policy-sink-blocks (the seed's setting)")
     g.add_argument("--policy-structural-budget", default="fixed", choices=("fixed", "scaled"))
-    g.add_argument("--policy-witness-signal", default="key_drift",
-                   choices=("key_drift", "value_drift", "query_centroid", "query_mass", "query_bound"))
+    g.add_argument("--policy-witness-signal", default="default",
+                   choices=("default", "recency", "key_drift", "value_drift", "query_centroid", "query_mass",
+                            "query_bound"),
+                   help="what ranks witness blocks; default: recency for topology_only (the policy's "
+                        "most-recent-blocks fallback), key_drift for the merge modes")
     g.add_argument("--policy-mode-settings", action="append", default=[], metavar="MODE:KEY=VALUE,...",
                    help="policy settings for one mode only, e.g. topology_only:block_size=8,local_blocks=8,"
                         "witness_signal=query_mass (keys: the --policy-* names without the prefix, "
@@ -145,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.add_argument("--query-chunk", type=int, default=256, help="query rows per attention chunk")
     g.add_argument("--logits-chunk", type=int, default=1024, help="positions per lm_head call")
-    g.add_argument("--metric-stride", type=int, default=1, help="per-layer metrics on every n-th query row only "
-                   "(the metric pass costs ~2x the sparse attention; e.g. 4 for --full)")
+    g.add_argument("--metric-stride", type=int, default=4, help="per-layer metrics on every n-th query row only "
+                   "(default 4; 1 = every row, which costs about an eager dense attention per layer more)")
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--skip-self-check", action="store_true", help="skip the select-all == dense logits check "
                    "that runs before the grid (512 tokens, a few seconds)")

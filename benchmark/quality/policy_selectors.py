@@ -52,6 +52,27 @@ CONFIG_FIELDS = (
 )
 
 
+# Witness signals the harness adds to the engine's ``WitnessSignal``: "recency" passes no
+# witness scores, so the policy takes its documented fallback (the most recent eligible
+# blocks); "default" resolves per mode in :meth:`PolicySettings.for_mode`.
+RECENCY = "recency"
+DEFAULT_SIGNAL = "default"
+RECENCY_BLOCK_SIZE = 8  # topology_only's block size under its default (recency) witnesses
+
+
+def default_witness_signal(mode: str) -> str:
+    """The harness's per-mode default witness signal.
+
+    ``topology_only`` defaults to recency: on SmolLM2 key-centroid drift picks worse blocks
+    than recency (docs/topology_vs_learned_runs.md), and with recency witnesses the mode
+    keeps the sink tokens plus the most recent blocks, i.e. plain locality at block
+    granularity (at :data:`RECENCY_BLOCK_SIZE`-token blocks unless the mode's block size is
+    set: rows then differ from locality's in at most a few tokens). The merge modes keep key drift (the engine's
+    ``BlockDriftTracker``), whose witnesses only add to the indexer's rows.
+    """
+    return RECENCY if mode == "topology_only" else "key_drift"
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicySettings:
     """Policy configuration used by every policy selector (the engine's defaults).
@@ -64,7 +85,10 @@ class PolicySettings:
         engine; None: the seed's whole sink blocks) and budget rule ("fixed": the seed's)
     mode_overrides : ``((mode, ((field, value), ...)), ...)``: settings that differ for one
         mode (e.g. ``topology_only`` with smaller blocks), applied by :meth:`for_mode`
-    witness_signal : what ranks witness blocks (``WitnessSignal``): ``key_drift`` (seed),
+    witness_signal : what ranks witness blocks: ``default`` (per mode,
+        :func:`default_witness_signal`: ``recency`` for ``topology_only``, ``key_drift``
+        otherwise), ``recency`` (no scores: the policy's most-recent-blocks fallback), or a
+        ``WitnessSignal``: ``key_drift`` (seed),
         ``value_drift``, ``query_centroid`` (each row's query against block key centroids)
         ``query_mass`` (the same, softmax-normalized per head: estimated attention mass) or
         ``query_bound`` (as ``query_mass`` with a per-block upper bound from key min/max)
@@ -78,15 +102,16 @@ class PolicySettings:
     scaffold_tokens: int = 0
     sink_tokens: Optional[int] = 4
     structural_budget: str = "fixed"
-    witness_signal: str = "key_drift"
+    witness_signal: str = DEFAULT_SIGNAL
     mode_overrides: Tuple[Tuple[str, Tuple[Tuple[str, object], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         _, witness = _policy()
-        try:
-            witness.WitnessSignal.parse(self.witness_signal)
-        except ValueError as exc:
-            raise UsageError(f"--policy-witness-signal: {exc}") from exc
+        if self.witness_signal not in (DEFAULT_SIGNAL, RECENCY):
+            try:
+                witness.WitnessSignal.parse(self.witness_signal)
+            except ValueError as exc:
+                raise UsageError(f"--policy-witness-signal: {exc}") from exc
         fields = {f.name for f in dataclasses.fields(self)} - {"mode_overrides"}
         for mode, pairs in self.mode_overrides:
             for key, _ in pairs:
@@ -99,7 +124,16 @@ class PolicySettings:
     def for_mode(self, mode: str) -> "PolicySettings":
         """These settings with ``mode``'s overrides applied (and no overrides left)."""
         changes = dict(pair for m, pairs in self.mode_overrides if m == mode for pair in pairs)
-        return dataclasses.replace(self, mode_overrides=(), **changes)
+        out = dataclasses.replace(self, mode_overrides=(), **changes)
+        if out.witness_signal == DEFAULT_SIGNAL:
+            signal = default_witness_signal(mode)
+            out = dataclasses.replace(out, witness_signal=signal)
+            if signal == RECENCY and "block_size" not in changes:
+                # The policy fills W block by block and cuts the last block at its *oldest*
+                # tokens; at 64-token blocks that keeps up to 63 older tokens in place of the
+                # most recent ones. 8-token blocks bound the difference to locality at a few tokens.
+                out = dataclasses.replace(out, block_size=RECENCY_BLOCK_SIZE)
+        return out
 
     def config(self, mode: str):
         """A validated ``TopologyKVPolicyConfig``; its errors become ``UsageError``."""
@@ -117,8 +151,13 @@ def layer_block_drift(layer: LayerInputs, block_size: int) -> torch.Tensor:
     return block_drift_scores(centroids).unsqueeze(0)  # [1, N]
 
 
-def layer_witness_scores(layer: LayerInputs, block_size: int, signal: str) -> Tuple[torch.Tensor, bool]:
-    """Witness scores for the layer's rows: (``[1, N]`` shared or ``[T, N]`` per row, shared?)."""
+def layer_witness_scores(layer: LayerInputs, block_size: int, signal: str) -> Tuple[Optional[torch.Tensor], bool]:
+    """Witness scores for the layer's rows: (``[1, N]`` shared or ``[T, N]`` per row, shared?).
+
+    ``recency``: (None, False): the policy then ranks witness blocks by recency itself.
+    """
+    if signal == RECENCY:
+        return None, False
     _, witness = _policy()
     try:
         signal = witness.WitnessSignal.parse(signal)

@@ -95,6 +95,7 @@ def make_probe_window(base: TextWindow, vocabulary: Sequence[int], settings: Pro
     return ProbeWindow(window, first, second, dists, tuple(segments))
 
 
+@torch.no_grad()
 def probe_scores(hidden: torch.Tensor, lm_head: torch.nn.Module, probe: ProbeWindow,
                  softcap: Optional[float] = None) -> List[Tuple[float, int, int]]:
     """Per segment ``(sum of NLL, correct top-1, scored tokens)`` on its second copy.
