@@ -1,13 +1,15 @@
 """Tests of the topology KV policy: modes, contract, counters, fingerprints, compile.
 
 CPU by default; ``TOPOLOGY_KV_TEST_DEVICE=cuda`` runs the same checks on a GPU
-(``//benchmark:topology_kv_policy_cuda_manual``).
+(``//benchmark:topology_kv_policy_cuda_manual``). Every test runs once per backend that
+can run on the device (``torch`` always, ``cpu_fused`` on CPU, ``triton`` on CUDA; the
+Triton kernel's CPU run under the interpreter is ``test_topology_kv_policy_triton.py``,
+bit for bit against the torch core): the module-scoped ``backend`` fixture forces it.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import threading
 
 import pytest
@@ -16,11 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmark import topology_kv_reference as ref
+from rtp_llm.models_py.modules.hybrid import topology_kv_policy as policy_module
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     CoordinateMismatchAction,
+    TopologyKVBackend,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
 )
+from rtp_llm.models_py.modules.hybrid.topology_kv_policy_backends import can_use_backend
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import (
     apply_topology_kv_policy,
     check_topk_coordinates,
@@ -30,9 +35,23 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_policy import (
     TopologyRequestContext,
 )
 
-DEVICE = torch.device(os.environ.get("TOPOLOGY_KV_TEST_DEVICE", "cpu"))
-if DEVICE.type == "cuda" and not torch.cuda.is_available():
-    pytest.skip("TOPOLOGY_KV_TEST_DEVICE=cuda but no CUDA device", allow_module_level=True)
+from tools.device_under_test import DEVICE
+
+# The interpreter runs Triton on CPU, but too slowly for this whole module (its own test
+# file covers it); on CUDA the compiled kernel runs every test here.
+BACKENDS = ["torch", "cpu_fused"] if DEVICE.type == "cpu" else ["torch", "triton"]
+
+
+@pytest.fixture(autouse=True, scope="module", params=BACKENDS)
+def backend(request):
+    """Force one backend for every policy call in the module (module scope: hypothesis-safe)."""
+    name = TopologyKVBackend.parse(request.param)
+    if not can_use_backend(name, DEVICE):
+        pytest.skip(f"backend {name.value} cannot run on {DEVICE}")
+    original = policy_module.resolve_backend
+    policy_module.resolve_backend = lambda _requested, _device: name
+    yield name
+    policy_module.resolve_backend = original
 
 MERGE = TopologyKVPolicyMode.TOPOLOGY_SPARSE_MERGE
 COMPRESS = TopologyKVPolicyMode.TOPOLOGY_COMPRESS_SPARSE
@@ -822,3 +841,7 @@ def test_int64_interval_ending_at_2_pow_63_is_valid_and_one_past_is_broken(mode)
     assert torch.equal(res.indices, x)
     with pytest.raises(ValueError, match="row 0"):
         check_topk_coordinates(x, L2, O)
+    # A row of int64-min padding (no valid entry) near no limit stays valid (hypothesis found
+    # the first version of the overflow fix subtracting the offset from the padding).
+    pad = _t([[-(2**63)]], dtype=torch.int64)
+    check_topk_coordinates(pad, _t([1], dtype=torch.int32), _t([7], dtype=torch.int32))

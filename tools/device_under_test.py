@@ -19,6 +19,12 @@ TEST_DEVICE_ENV = "TOPOLOGY_KV_TEST_DEVICE"
 
 DEVICE = torch.device(os.environ.get(TEST_DEVICE_ENV, "cpu"))
 
+# On CPU the policy's Triton kernel runs under Triton's interpreter; the variable must be
+# set before triton is first imported, and every test folder's conftest imports this module
+# before any test module. A caller's explicit setting wins.
+if DEVICE.type == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def skip_reason() -> Optional[str]:
     """Why the tests cannot run on :data:`DEVICE`, or None when they can."""

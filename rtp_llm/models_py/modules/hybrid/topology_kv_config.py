@@ -25,6 +25,8 @@ FRACTION``
 ``RTP_LLM_TOPOLOGY_KV_SINK_TOKENS``         integer >= 0, or "blocks"    4 (the policy config's
                                             (whole sink blocks)          ``sink_tokens``)
 ``RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET``   fixed, scaled                the policy config's
+``RTP_LLM_TOPOLOGY_KV_BACKEND``             auto, torch, compiled,       auto
+                                            triton, cpu_fused
 =========================================== ============================ ==================
 
 ``fallback_disabled`` is the serving default because ``raise`` reads values on the host
@@ -103,6 +105,24 @@ class StructuralBudget(enum.Enum):
         return parse_enum_member(cls, value, "structural_budget")
 
 
+class TopologyKVBackend(enum.Enum):
+    """Which implementation of the policy core runs (``topology_kv_policy_backends``).
+
+    All produce the same rows and counters bit for bit (tested); they differ in cost and
+    where they run.
+    """
+
+    AUTO = "auto"  # CUDA: triton; CPU: the fused C++ kernel; else (or unavailable): torch
+    TORCH = "torch"  # eager torch ops (~30 per call): the readable, always-available path
+    COMPILED = "compiled"  # torch.compile(fullgraph, dynamic rows) of the torch core
+    TRITON = "triton"  # one fused Triton launch per call (CUDA; CPU only under TRITON_INTERPRET=1)
+    CPU_FUSED = "cpu_fused"  # one fused C++ pass per row, rows in parallel (CPU; built at first use)
+
+    @classmethod
+    def parse(cls, value: Union[str, "TopologyKVBackend"]) -> "TopologyKVBackend":
+        return parse_enum_member(cls, value, "backend")
+
+
 @dataclasses.dataclass(frozen=True)
 class TopologyKVPolicyConfig:
     """Validated, immutable policy configuration (read once, at construction).
@@ -133,6 +153,9 @@ class TopologyKVPolicyConfig:
     structural_budget : StructuralBudget or its name
         ``fixed`` (seed): ``floor(W * max_structural_fraction)`` per row; ``scaled``: that
         cap times ``W / max(length, W)``, rounded down.
+    backend : TopologyKVBackend or its name
+        Which implementation runs (same results): ``auto`` picks the fused kernel the
+        device can run (Triton on CUDA, C++ on CPU) and falls back to eager torch.
     """
 
     policy: TopologyKVPolicyMode = TopologyKVPolicyMode.DISABLED
@@ -144,9 +167,11 @@ class TopologyKVPolicyConfig:
     coordinate_mismatch_action: CoordinateMismatchAction = CoordinateMismatchAction.RAISE
     sink_tokens: Optional[int] = 4
     structural_budget: StructuralBudget = StructuralBudget.FIXED
+    backend: TopologyKVBackend = TopologyKVBackend.AUTO
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "structural_budget", StructuralBudget.parse(self.structural_budget))
+        object.__setattr__(self, "backend", TopologyKVBackend.parse(self.backend))
         if self.sink_tokens is not None:
             check_int("sink_tokens", self.sink_tokens, 0)
         object.__setattr__(self, "policy", TopologyKVPolicyMode.parse(self.policy))
@@ -192,6 +217,7 @@ ENV_MISMATCH_ACTION = "RTP_LLM_TOPOLOGY_KV_MISMATCH_ACTION"
 ENV_PATHS = "RTP_LLM_TOPOLOGY_KV_PATHS"
 ENV_SINK_TOKENS = "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS"
 ENV_STRUCTURAL_BUDGET = "RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET"
+ENV_BACKEND = "RTP_LLM_TOPOLOGY_KV_BACKEND"
 
 
 class IndexerPath(enum.Enum):
@@ -341,6 +367,7 @@ class IndexerTopologySettings:
                 environ, ENV_SINK_TOKENS, defaults.sink_tokens, MAX_STRUCTURAL_BLOCKS * block_size
             )
         budget = _env_enum(environ, ENV_STRUCTURAL_BUDGET, StructuralBudget, defaults.structural_budget)
+        backend = _env_enum(environ, ENV_BACKEND, TopologyKVBackend, defaults.backend)
         try:
             policy = TopologyKVPolicyConfig(
                 policy=mode,
@@ -352,6 +379,7 @@ class IndexerTopologySettings:
                 coordinate_mismatch_action=action,
                 sink_tokens=sink_tokens,
                 structural_budget=budget,
+                backend=backend,
             )
         except ValueError as err:
             raise ValueError(

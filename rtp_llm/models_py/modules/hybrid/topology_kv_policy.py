@@ -31,8 +31,15 @@ import torch
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     CoordinateMismatchAction,
     StructuralBudget,
+    TopologyKVBackend,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
+)
+from rtp_llm.models_py.modules.hybrid.topology_kv_policy_backends import (  # noqa: F401 (re-exported)
+    resolve_backend,
+    run_policy_core,
+    topology_only_counters,
+    topology_only_learned_kept,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy_core import (  # noqa: F401 (re-exported)
@@ -247,22 +254,6 @@ def _violation_message(rule, row, topk_indices, lengths, offsets, drift_blocks, 
     )
 
 
-def topology_only_learned_kept(
-    topk_indices: torch.Tensor, out: torch.Tensor, mismatch_rows: torch.Tensor
-) -> torch.Tensor:
-    """Per row, how many learned entries ``TOPOLOGY_ONLY`` kept (``|learned & out|``).
-
-    Off the hot path: :class:`TopologyKVCounters` calls it only when the counter is read.
-    Broken rows count 0. Returns int64 ``[R]``.
-    """
-    big = torch.iinfo(torch.int64).max
-    srt = torch.sort(torch.where(out >= 0, out.to(torch.int64), big), dim=1).values  # [R, W]
-    x = topk_indices.to(torch.int64)
-    pos = torch.searchsorted(srt, x).clamp(max=srt.shape[1] - 1)
-    hit = (torch.gather(srt, 1, pos) == x) & (x >= 0)
-    return torch.where(mismatch_rows, 0, hit.sum(dim=1))
-
-
 # ---------------------------------------------------------------------------------------
 # Public entry point.
 # ---------------------------------------------------------------------------------------
@@ -282,6 +273,9 @@ def apply_topology_kv_policy(
     context: ContextArg = None,
     measure_time: bool = False,
     validate: bool = True,
+    backend: Union[None, str, TopologyKVBackend] = None,
+    out: Optional[torch.Tensor] = None,
+    counters_out: Optional[torch.Tensor] = None,
 ) -> TopologyKVPolicyResult:
     """Apply the topology policy to learned top-k rows.
 
@@ -312,6 +306,16 @@ def apply_topology_kv_policy(
         Synchronize and report the policy's wall time in ``schedule_ms``.
     validate : bool
         Check argument shapes, dtypes and devices (no value is read; no sync).
+    backend : TopologyKVBackend, its name, or None (``config.backend``)
+        Which implementation runs (``topology_kv_policy_backends``: same rows and counters
+        bit for bit). A backend forced by name that cannot run on the rows' device raises
+        ``ValueError`` naming it, the device and why.
+    out : like ``topk_indices`` (same shape, dtype, device), or None
+        Written with the result rows (fully overwritten), which are then ``out`` itself.
+    counters_out : int64 ``[len(COUNTER_NAMES)]`` on the rows' device, or None
+        The call *adds* its counts to it (running totals across layers or steps; the
+        result's counters are then views of it). With ``out`` and ``counters_out`` the
+        ``triton`` backend allocates nothing and reads nothing on the host.
 
     Returns
     -------
@@ -375,7 +379,11 @@ def apply_topology_kv_policy(
                     f"row_to_request, got {len(contexts)} contexts"
                 )
             scaffold = per_request
-    out, counters = topology_kv_policy_core(
+    resolved = resolve_backend(config.backend if backend is None else backend, topk_indices.device)
+    if validate:
+        _validate_buffers(topk_indices, out, counters_out)
+    rows, counters, mismatch_rows = run_policy_core(
+        resolved,
         topk_indices,
         lengths,
         topk_indices_offset,
@@ -383,6 +391,8 @@ def apply_topology_kv_policy(
         learned_scores,
         scaffold,
         mode=config.policy,
+        out=out,
+        counters_out=counters_out,
         sink_blocks=config.sink_blocks,
         local_blocks=config.local_blocks,
         witness_blocks=config.witness_blocks,
@@ -391,30 +401,34 @@ def apply_topology_kv_policy(
         sink_tokens=config.sink_tokens,
         scale_budget_by_length=config.structural_budget is StructuralBudget.SCALED,
     )
-    mismatch_rows = counters.pop("mismatch_rows")
     lazy = None
-    if config.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY:
+    if mismatch_rows is not None and config.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY:
 
         def lazy():
-            kept = topology_only_learned_kept(topk_indices, out, mismatch_rows)
-            learned = torch.where(mismatch_rows, 0, (topk_indices >= 0).sum(dim=1))
-            selected = counters["selected_tokens"]
-            return {
-                "learned_kept_tokens": kept.sum(),
-                "learned_evicted_tokens": (learned - kept).sum(),
-                "structural_injected_tokens": selected - kept.sum(),
-            }
+            return topology_only_counters(topk_indices, rows, mismatch_rows, counters["selected_tokens"])
 
     elapsed = None
     if measure_time:
         _synchronize(topk_indices.device)
         elapsed = (time.perf_counter() - start) * 1e3
     return TopologyKVPolicyResult(
-        indices=out,
+        indices=rows,
         counters=TopologyKVCounters(tensors=counters, compression_hits=hits, lazy=lazy),
         fingerprints=fingerprints,
         schedule_ms=elapsed,
     )
+
+
+def _validate_buffers(topk_indices: torch.Tensor, out, counters_out) -> None:
+    R, W = topk_indices.shape
+    if out is not None:
+        check_tensor("out", out, dtypes=(topk_indices.dtype,), shape=(R, W), device=topk_indices.device,
+                     device_of="topk_indices")
+        if out.data_ptr() == topk_indices.data_ptr() and out.numel():
+            raise ValueError("out: expected a buffer apart from topk_indices (inputs are never modified)")
+    if counters_out is not None:
+        check_tensor("counters_out", counters_out, dtypes=(torch.int64,), shape=(len(COUNTER_NAMES),),
+                     device=topk_indices.device, device_of="topk_indices")
 
 
 def _as_context_list(context: ContextArg):

@@ -70,7 +70,8 @@ def violations_of_rows(x, valid, n_valid, lengths, offsets, drift_blocks, block_
         # Both compared without forming off + L, which overflows int64 for offsets near its
         # max (rows with off < 0 or L <= 0 are broken by the rules above whatever these say).
         "overflow": L - 1 > imax - off,
-        "interval": (hi - off >= L) | (lo < off),
+        # hi < 0: no valid entry (padding may be the dtype min: clamp before subtracting).
+        "interval": (hi.clamp(min=-1) - off >= L) | (lo < off),
         "padding": any_per_row(valid ^ prefix),
         "duplicate": dup,
     }

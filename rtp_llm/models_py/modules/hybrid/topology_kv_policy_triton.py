@@ -73,7 +73,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from rtp_llm.models_py.modules.hybrid.topology_kv_policy import COUNTER_NAMES, TopologyKVPolicyMode
+from rtp_llm.models_py.modules.hybrid.topology_kv_config import TopologyKVPolicyMode
+from rtp_llm.models_py.modules.hybrid.topology_kv_policy_core import COUNTER_NAMES
 
 try:  # triton is optional: without it can_use_triton() is False and the torch core is used
     import triton
