@@ -67,8 +67,10 @@ def _t(values, dtype=torch.int64):
 def _cfg(mode, **kw):
     # Whole sink blocks (sink_tokens=None): the hand-computed cases below were written for
     # the block layout; token sinks (the default since issue 7) are tested with explicit values.
+    # RAISE explicitly: these tests check violations by the error (the config's default is
+    # the serving default, fallback_disabled, since issue 12).
     base = dict(sink_blocks=1, local_blocks=1, witness_blocks=1, block_size=4, max_structural_fraction=0.5,
-                sink_tokens=None)
+                sink_tokens=None, coordinate_mismatch_action=CoordinateMismatchAction.RAISE)
     base.update(kw)
     return TopologyKVPolicyConfig(policy=mode, **base)
 

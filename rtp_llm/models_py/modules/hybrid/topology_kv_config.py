@@ -142,6 +142,9 @@ class TopologyKVPolicyConfig:
         *injected* per row (structural tokens the learned row already holds are free).
         0.25 keeps three quarters of the learned budget for the indexer.
     coordinate_mismatch_action : CoordinateMismatchAction or its name
+        Default ``fallback_disabled``, the serving default too: ``raise`` reads values on
+        the host (one sync per call) and so breaks CUDA-graph capture; a config built in
+        Python must not get the slow, graph-breaking behaviour by default.
     sink_tokens : int >= 0 or None
         Token-granular sinks: the first ``sink_tokens`` tokens replace the ``sink_blocks``
         whole blocks, and the blocks they touch are never local or witness blocks. None
@@ -164,7 +167,7 @@ class TopologyKVPolicyConfig:
     witness_blocks: int = 2
     block_size: int = DEFAULT_BLOCK_SIZE
     max_structural_fraction: float = 0.25
-    coordinate_mismatch_action: CoordinateMismatchAction = CoordinateMismatchAction.RAISE
+    coordinate_mismatch_action: CoordinateMismatchAction = CoordinateMismatchAction.FALLBACK_DISABLED
     sink_tokens: Optional[int] = 4
     structural_budget: StructuralBudget = StructuralBudget.FIXED
     backend: TopologyKVBackend = TopologyKVBackend.AUTO

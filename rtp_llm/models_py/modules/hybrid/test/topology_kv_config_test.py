@@ -164,3 +164,12 @@ def test_a_fraction_that_injects_nothing_at_the_width_is_rejected():
         Indexer(HEADS, DIM, index_topk=2048, topology=settings)  # ... but 0 tokens at W = 2048
     Indexer(HEADS, DIM, index_topk=2048, topology=IndexerTopologySettings.from_env({**env, ENV_POLICY: "topology_only"}))
     Indexer(HEADS, DIM, index_topk=2048, topology=IndexerTopologySettings.from_env({**env, ENV_MAX_STRUCTURAL_FRACTION: "0.0005"}))
+
+
+def test_python_config_and_serving_env_default_to_the_same_sync_free_action():
+    """Issue 12: TopologyKVPolicyConfig() defaulted to raise (a host sync per call) while the
+    env default was fallback_disabled; both are fallback_disabled now."""
+    fallback = CoordinateMismatchAction.FALLBACK_DISABLED
+    assert TopologyKVPolicyConfig().coordinate_mismatch_action is fallback
+    assert IndexerTopologySettings.from_env({}).policy.coordinate_mismatch_action is fallback
+    assert IndexerTopologySettings().policy.coordinate_mismatch_action is fallback
