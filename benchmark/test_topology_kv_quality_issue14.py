@@ -229,6 +229,19 @@ def test_masked_fast_path_equals_gather_path(selector_name, width, softcap):
     torch.testing.assert_close(sparse_layer_attention(layer, rows, width, LayerMetrics(), sink_tokens=4), fast)
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("compact_below", [0, 10**9])  # always / never attend over the used columns only
+def test_column_path_and_full_mask_path_agree(monkeypatch, compact_below, softcap):
+    from benchmark.quality import sparse_attention
+
+    layer = dataclasses.replace(synthetic_layer(seed=5, layer_idx=1, T=300, H=6, Hkv=3, D=16), softcap=softcap)
+    for name, width in (("locality", 40), ("learned", 50)):
+        rows = make_selector(name, SelectorSettings())(layer, width, {})
+        monkeypatch.setattr(sparse_attention, "COMPACT_BELOW", compact_below)
+        out = sparse_layer_attention(layer, rows, width, None, sink_tokens=4)
+        torch.testing.assert_close(out, gather_sparse_attention(layer, rows), atol=1e-5, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------- topology_only default
 
 

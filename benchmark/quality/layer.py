@@ -135,6 +135,29 @@ class LayerInputs:
         s = torch.tanh(s / self.softcap) * self.softcap
         return self.weighted_values(torch.softmax(s.masked_fill(~mask.unsqueeze(0), float("-inf")), dim=-1))
 
+    def column_attention(self, c0: int, c1: int, cols: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention of query rows ``[c0, c1)`` over the key columns ``cols`` only: fp32 ``[H, Tc, D]``.
+
+        cols : int64 ``[U]`` key positions (the union of the chunk's selected keys);
+        mask : bool ``[Tc, U]`` (which of them each row may see, at least one per row).
+        The same softmax as :meth:`masked_attention` over a mask that is ``False`` outside
+        ``cols`` (masked keys weigh exactly 0 there), at ``U / lc`` of its cost.
+        """
+        q = self.query[:, c0:c1]
+        if self.softcap is None:
+            k = self.expanded_key.index_select(1, cols)  # [H, U, D]
+            v = self.expanded_value.index_select(1, cols)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask[None, None], scale=self.scaling)
+            return out[0]
+        s = self.head_dot(q, self.key.index_select(1, cols)) * self.scaling
+        s = torch.tanh(s / self.softcap) * self.softcap
+        p = torch.softmax(s.masked_fill(~mask.unsqueeze(0), float("-inf")), dim=-1)  # [H, Tc, U]
+        H, Tc, U = p.shape
+        Hkv = self.value.shape[0]
+        out = torch.matmul(p.reshape(Hkv, H // Hkv, Tc, U), self.value.index_select(1, cols).unsqueeze(1))
+        return out.reshape(H, Tc, -1)
+
     def dense_probabilities(self, c0: int, c1: int, lc: int) -> torch.Tensor:
         """fp32 ``[H, Tc, lc]`` dense softmax probabilities (zero outside the allowed mask)."""
         s = self.logits(c0, c1, lc)
