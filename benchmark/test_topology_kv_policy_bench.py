@@ -23,7 +23,9 @@ def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].split("\t") == bench.COLUMNS
     rows = [line.split("\t") for line in out[1:] if not line.startswith(("PASS", "FAIL"))]
-    assert len(rows) == 3 * 2  # three modes, with and without learned scores
+    backends = bench.parse_args(["--device", DEVICE]).backend
+    assert backends[0] == "torch" and len(backends) >= 1
+    assert len(rows) == 3 * 2 * len(backends)  # three modes x with/without learned scores x backends
     payload = json.loads(path.read_text())
     assert payload["environment"]["torch"] == torch.__version__
     for row in payload["rows"]:
@@ -40,6 +42,27 @@ def test_synthetic_rows_are_valid_engine_rows():
         assert len(set(r)) == 64 and all(0 <= v < 1000 for v in r)
     short = bench.synthetic_rows(2, 10, 16, gen)
     assert short[0].tolist() == list(range(10)) + [-1] * 6
+
+
+def test_backend_flag_times_each_backend_side_by_side(tmp_path):
+    """One row per backend per cell, in the order given (their results' equality is pinned
+    by the backend tests, not here)."""
+    path = tmp_path / "policy.json"
+    assert bench.main(["--rows", "3", "--lengths", "4096", "--width", "64", "--rounds", "1", "--warmup", "0",
+                       "--reference-rows", "1", "--backend", "torch", "cpu_fused", "--modes", "topology_only",
+                       "--learned-scores", "without", "--json", str(path), "--device", "cpu"]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["torch", "cpu_fused"]
+    assert all(r["policy_us"] > 0 for r in rows)
+
+
+def test_unknown_or_unusable_backend_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--backend", "fastest"])
+    assert "--backend" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--backend", "cpu_fused", "--device", "meta"])
+    assert "--device" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, flag", [(["--rows", "0"], "--rows"), (["--width", "-1"], "--width"),

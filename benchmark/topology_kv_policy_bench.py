@@ -1,9 +1,12 @@
 """Policy overhead benchmark: apply_topology_kv_policy beside what it rides on.
 
 For each mode, row count ``R`` and context length ``L`` (width ``W`` = 2048) it times,
-side by side in one process:
+side by side in one process, interleaved round by round (so a noisy machine slows every
+column alike; medians over rounds; inputs are warm in cache, a few MiB):
 
-* ``policy``     the vectorized policy (``FALLBACK_DISABLED``: no host sync), eager;
+* ``policy``     ``apply_topology_kv_policy`` (``FALLBACK_DISABLED``: no host sync) on each
+                 ``--backend``: ``torch`` (eager ops), ``compiled`` (torch.compile),
+                 ``cpu_fused`` (one C++ pass per row), ``triton`` (one launch);
 * ``topk``       ``torch.topk`` over ``[R, L]`` fp32 indexer logits (the op the policy
                  follows; skipped above ``--max-topk-elements`` to bound memory);
 * ``copy``       a plain copy of the ``[R, W]`` index rows (the memory-traffic floor);
@@ -11,15 +14,17 @@ side by side in one process:
 
 Input rows are synthetic but valid: ``W`` unique positions per row spread over ``[0, L)``
 in random order (the engine's top-k order is arbitrary), drift scores and learned scores
-uniform. Prints a TSV table, the issue's targets with PASS/FAIL, and ``--json``.
+uniform. Prints a TSV table, the targets with PASS/FAIL (the best backend per cell), and
+``--json``.
 
-    python benchmark/topology_kv_policy_bench.py --rows 1024 --lengths 8192 131072
+    python benchmark/topology_kv_policy_bench.py --rows 1 8 64 1024 --lengths 8192 131072
     bazel run //benchmark:topology_kv_policy_bench -- --quick
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -36,10 +41,12 @@ import torch
 from benchmark import topology_kv_reference as ref
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     CoordinateMismatchAction,
+    TopologyKVBackend,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import apply_topology_kv_policy
+from rtp_llm.models_py.modules.hybrid.topology_kv_policy_backends import can_use_backend, resolve_backend
 from rtp_llm.models_py.modules.hybrid.topology_kv_witness import (
     query_bound_scores_unchecked,
     query_centroid_scores_unchecked,
@@ -47,8 +54,9 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_witness import (
 )
 
 ENABLED_MODES = [m.value for m in TopologyKVPolicyMode if m is not TopologyKVPolicyMode.DISABLED]
+BACKENDS = [b.value for b in TopologyKVBackend if b is not TopologyKVBackend.AUTO]
 COLUMNS = [
-    "mode", "rows", "seq_len", "width", "learned_scores", "policy_ms", "policy_p10_ms", "policy_p90_ms",
+    "mode", "backend", "rows", "seq_len", "width", "learned_scores", "policy_us", "policy_ms", "policy_p10_ms", "policy_p90_ms",
     "topk_ms", "copy_ms", "reference_ms", "policy_over_topk", "policy_over_copy", "per_row_us",
     "witness_query_centroid_ms", "witness_query_mass_ms", "witness_query_bound_ms",
 ]
@@ -59,8 +67,11 @@ INDEXER_HEADS, INDEXER_DIM = 64, 128
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[256, 1024, 4096], help="rows R per call")
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768, 131072], help="context L")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 1024], help="rows R per call")
+    p.add_argument("--lengths", type=int, nargs="+", default=[8192, 131072], help="context L")
+    p.add_argument("--backend", nargs="+", default=None, metavar="NAME",
+                   help=f"policy backends timed side by side, of {BACKENDS} (default: torch and the fused "
+                        "kernel the device runs: cpu_fused on CPU, triton on CUDA)")
     p.add_argument("--width", type=int, default=2048, help="top-k width W")
     p.add_argument("--witness-block-size", type=int, default=64,
                    help="block size of the query-aware witness signals' cost columns (N = L / this)")
@@ -91,6 +102,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.rounds < 1 or args.warmup < 0:
         p.error(f"--rounds >= 1 and --warmup >= 0 expected, got {args.rounds}, {args.warmup}")
     args.device = resolve_device(args.device, p)
+    if args.backend is None:
+        fused = resolve_backend("auto", args.device)
+        args.backend = ["torch"] + ([fused.value] if fused is not TopologyKVBackend.TORCH else [])
+    for name in args.backend:
+        if name.strip().lower() not in BACKENDS:
+            p.error(f"--backend: expected names of {BACKENDS}, got {name!r}")
+        if not can_use_backend(name, args.device):
+            try:
+                resolve_backend(name, args.device)
+            except ValueError as err:
+                p.error(f"--backend {name}: {err}")
+    args.backend = [TopologyKVBackend.parse(b).value for b in args.backend]
     return args
 
 
@@ -127,6 +150,19 @@ def time_ms(fn: Callable[[], object], device: torch.device, rounds: int, warmup:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def time_interleaved(fns: Dict[str, Callable[[], object]], device: torch.device, rounds: int,
+                     warmup: int) -> Dict[str, List[float]]:
+    """Per-call ms of each function, called in turn within every round (interleaved)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].extend(time_ms(fn, device, 1, 0))
     return times
 
 
@@ -190,75 +226,109 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
             del logits
         score_opts = {"with": [True], "without": [False], "both": [False, True]}[args.learned_scores]
         for mode in args.modes:
-            cfg = TopologyKVPolicyConfig(
-                policy=mode, coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED
-            )
             for use_scores in score_opts:
-                s = scores if use_scores else None
+                s_ = scores if use_scores else None
+                cfg = TopologyKVPolicyConfig(
+                    policy=mode, coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED
+                )
+                out = torch.empty_like(x)
+                totals = torch.zeros(8, dtype=torch.int64, device=device)
 
-                def call():
+                def call(backend, cfg=cfg, s_=s_, out=out, totals=totals):
+                    # Caller buffers, as serving (and CUDA graphs) would pass them.
                     return apply_topology_kv_policy(
-                        x, lengths, config=cfg, block_drift_scores=drift, learned_scores=s, validate=False
+                        x, lengths, config=cfg, block_drift_scores=drift, learned_scores=s_, validate=False,
+                        backend=backend, out=out, counters_out=totals,
                     )
 
-                times = time_ms(call, device, args.rounds, args.warmup)
-                policy_ms = statistics.median(times)
+                fns = {b: functools.partial(call, b) for b in args.backend}
+                if "compiled" in fns:
+                    t0 = time.perf_counter()
+                    fns["compiled"]()
+                    compile_s = time.perf_counter() - t0
+                else:
+                    compile_s = None
+                all_times = time_interleaved(fns, device, args.rounds, args.warmup)
                 n_ref = min(R, args.reference_rows)
                 xr, lr = x[:n_ref].cpu(), lengths[:n_ref].cpu()
-                dr, sr = drift[:n_ref].cpu(), None if s is None else s[:n_ref].cpu()
+                dr, sr = drift[:n_ref].cpu(), None if s_ is None else s_[:n_ref].cpu()
                 t0 = time.perf_counter()
                 ref.reference_topology_policy(
                     xr, lr, mode=cfg.policy.value, sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks,
                     witness_blocks=cfg.witness_blocks, block_size=cfg.block_size,
                     max_structural_fraction=cfg.max_structural_fraction, drift=dr, learned_scores=sr,
+                    sink_tokens=cfg.sink_tokens,
                 )
                 reference_ms = (time.perf_counter() - t0) * 1e3 * R / n_ref
-                row = {
-                    "mode": cfg.policy.value,
-                    "rows": R,
-                    "seq_len": L,
-                    "width": W,
-                    "learned_scores": use_scores,
-                    "policy_ms": policy_ms,
-                    "policy_p10_ms": _pct(times, 0.1),
-                    "policy_p90_ms": _pct(times, 0.9),
-                    "topk_ms": topk_ms,
-                    "copy_ms": copy_ms,
-                    "reference_ms": reference_ms,
-                    "policy_over_topk": None if topk_ms is None else policy_ms / topk_ms,
-                    "policy_over_copy": policy_ms / copy_ms if copy_ms > 0 else None,
-                    "per_row_us": policy_ms * 1e3 / R,
-                    "witness_query_centroid_ms": witness_ms,
-                    "witness_query_mass_ms": mass_ms,
-                    "witness_query_bound_ms": bound_ms,
-                }
-                results.append(row)
+                for backend, times in all_times.items():
+                    policy_ms = statistics.median(times)
+                    results.append({
+                        "mode": cfg.policy.value,
+                        "backend": backend,
+                        "device_type": device.type,
+                        "rows": R,
+                        "seq_len": L,
+                        "width": W,
+                        "learned_scores": use_scores,
+                        "policy_us": policy_ms * 1e3,
+                        "policy_ms": policy_ms,
+                        "policy_p10_ms": _pct(times, 0.1),
+                        "policy_p90_ms": _pct(times, 0.9),
+                        "topk_ms": topk_ms,
+                        "copy_ms": copy_ms,
+                        "reference_ms": reference_ms,
+                        "policy_over_topk": None if topk_ms is None else policy_ms / topk_ms,
+                        "policy_over_copy": policy_ms / copy_ms if copy_ms > 0 else None,
+                        "per_row_us": policy_ms * 1e3 / R,
+                        "compile_s": compile_s if backend == "compiled" else None,
+                        "witness_query_centroid_ms": witness_ms,
+                        "witness_query_mass_ms": mass_ms,
+                        "witness_query_bound_ms": bound_ms,
+                    })
         log(f"[policy-bench] cell {ci + 1}/{len(cells)} rows={R} seq_len={L} done", file=sys.stderr)
     return results
 
 
 def evaluate_targets(results: List[Dict[str, object]]) -> List[Dict[str, object]]:
-    """The issue's three targets per mode (and learned-scores setting), from the rows."""
+    """Issue 13's targets per mode and learned-scores setting, on the best backend per cell.
+
+    CPU: R = 1 at 8k <= 150 us per call and <= 0.5x ``torch.topk`` of the row; 1024 x 8k
+    <= 0.15x ``torch.topk``. GPU: <= 10% of ``torch.topk`` at 64 x 128k and <= 5 us per
+    call at R = 1 (and 4, when run). Both: per-row time flat from 8k to 128k (<= 2x).
+    """
     checks = []
     keys = sorted({(r["mode"], r["learned_scores"]) for r in results})
     for mode, scored in keys:
         rows = [r for r in results if r["mode"] == mode and r["learned_scores"] == scored]
-        at = {(r["rows"], r["seq_len"]): r for r in rows}
+        best = {}
+        for r in rows:
+            cell = (r["rows"], r["seq_len"])
+            if cell not in best or r["policy_ms"] < best[cell]["policy_ms"]:
+                best[cell] = r
+        gpu = any(r.get("device_type") == "cuda" for r in rows)
         tag = f"{mode} scores={'yes' if scored else 'no'}"
-        cell = at.get((1024, 8192))
-        if cell is not None and cell["topk_ms"]:
-            checks.append(dict(target=f"{tag}: policy <= 10% of topk at 1024x8k",
-                               value=cell["policy_over_topk"], bound=0.10,
-                               passed=cell["policy_over_topk"] <= 0.10))
-        if cell is not None:
-            checks.append(dict(target=f"{tag}: policy <= 8x copy floor at 1024x8k",
-                               value=cell["policy_over_copy"], bound=8.0, passed=cell["policy_over_copy"] <= 8.0))
+
+        def check(target, cell, key, bound):
+            r = best.get(cell)
+            if r is None or r.get(key) is None:
+                return
+            checks.append(dict(target=f"{tag}: {target} [{r['backend']}]", value=r[key], bound=bound,
+                               passed=r[key] <= bound))
+
+        if gpu:
+            check("policy <= 10% of topk at 64x128k", (64, 131072), "policy_over_topk", 0.10)
+            for R in (1, 4):
+                check(f"policy <= 5 us per call at R={R}, 8k", (R, 8192), "policy_us", 5.0)
+        else:
+            check("policy <= 150 us per call at R=1, 8k", (1, 8192), "policy_us", 150.0)
+            check("policy <= 0.5x topk of the row at R=1, 8k", (1, 8192), "policy_over_topk", 0.5)
+            check("policy <= 0.15x topk at 1024x8k", (1024, 8192), "policy_over_topk", 0.15)
         for R in sorted({r["rows"] for r in rows}):
-            a, b = at.get((R, 8192)), at.get((R, 131072))
+            a, b = best.get((R, 8192)), best.get((R, 131072))
             if a and b:
                 ratio = b["per_row_us"] / a["per_row_us"]
-                checks.append(dict(target=f"{tag}: per-row time 128k / 8k at R={R} <= 2", value=ratio,
-                                   bound=2.0, passed=ratio <= 2.0))
+                checks.append(dict(target=f"{tag}: per-row time 128k / 8k at R={R} <= 2 [{b['backend']}]",
+                                   value=ratio, bound=2.0, passed=ratio <= 2.0))
     return checks
 
 

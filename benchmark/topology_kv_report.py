@@ -108,7 +108,7 @@ def run_policy(out_dir: Path, quick: bool, device: str) -> Dict:
     if quick:
         argv = ["--quick"]
     else:
-        argv = ["--rows", "256", "1024", "--lengths", "8192", "32768", "131072", "--rounds", "5", "--warmup", "1"]
+        argv = ["--rows", "1", "8", "64", "1024", "--lengths", "8192", "131072", "--rounds", "5", "--warmup", "1"]
     payload = _run_json_part(bench.main, "topology_kv_policy_bench.py", argv + ["--device", device],
                              out_dir / "policy.json")
     payload["markdown"] = policy_markdown(payload["rows"])
@@ -116,13 +116,13 @@ def run_policy(out_dir: Path, quick: bool, device: str) -> Dict:
 
 
 def policy_markdown(rows: List[Dict]) -> str:
-    lines = ["| mode | rows | L | learned scores | policy ms | topk ms | policy / topk | per row us |",
+    lines = ["| mode | backend | rows | L | learned scores | policy us | topk us | policy / topk |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = "-" if r.get("policy_over_topk") is None else f"{r['policy_over_topk']:.2f}"
-        topk = "-" if r.get("topk_ms") is None else f"{r['topk_ms']:.1f}"
-        lines.append(f"| {r['mode']} | {r['rows']} | {r['seq_len']} | {'yes' if r['learned_scores'] else 'no'} | "
-                     f"{r['policy_ms']:.1f} | {topk} | {ratio} | {r['per_row_us']:.1f} |")
+        ratio = "-" if r.get("policy_over_topk") is None else f"{r['policy_over_topk']:.3f}"
+        topk = "-" if r.get("topk_ms") is None else f"{r['topk_ms'] * 1e3:.0f}"
+        lines.append(f"| {r['mode']} | {r.get('backend', 'torch')} | {r['rows']} | {r['seq_len']} | "
+                     f"{'yes' if r['learned_scores'] else 'no'} | {r['policy_ms'] * 1e3:.0f} | {topk} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -312,7 +312,8 @@ def markdown(results: Dict[str, Dict], summary: Dict, env: Dict, plots: Dict[str
     if "policy" in results:
         p = results["policy"]
         lines += ["## 2. Policy overhead", "",
-                  "`apply_topology_kv_policy` (eager, no host sync) on synthetic index rows beside "
+                  "`apply_topology_kv_policy` (no host sync, caller buffers) per backend, timed "
+                  "interleaved, on synthetic index rows beside "
                   "`torch.topk` over the indexer logits it follows and a plain copy of the rows. "
                   "Excludes the indexer's logits and the attention.", "", f"Command: `{p['command']}`", "",
                   p["markdown"], ""]
