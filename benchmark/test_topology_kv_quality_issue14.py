@@ -280,6 +280,14 @@ def _tiny_gemma3():
                        full_attention_layers=full_attention_layers(model.config))
 
 
+def test_logits_rows_cap_large_vocabularies():
+    from benchmark.quality.runner import logits_rows
+
+    assert logits_rows(1024, 49_152) == 1024  # SmolLM2: the flag's value
+    assert logits_rows(1024, 262_144) == 256  # 256 x 262k fp32 = 256 MB
+    assert logits_rows(100, 262_144) == 100
+
+
 def test_grid_on_gqa_256_dim_sliding_262k_vocab_model():
     lm = _tiny_gemma3()
     assert lm.full_attention_layers == (1,)

@@ -126,6 +126,16 @@ class GridResult:
         return ratio_interval(c.window_nll, ref.window_nll, self.bootstrap, point=c.ppl / ref.ppl)
 
 
+# At most this many fp32 logits per lm_head call (256 MB): a 262k vocabulary gets 256-row
+# chunks whatever --logits-chunk says; SmolLM2's 49k keeps the 1024 default.
+MAX_LOGITS_ELEMENTS = 1 << 26
+
+
+def logits_rows(logits_chunk: int, vocab_size: int) -> int:
+    """Rows per ``lm_head`` call: ``logits_chunk``, capped so one call holds <= 256 MB of logits."""
+    return max(1, min(logits_chunk, MAX_LOGITS_ELEMENTS // max(vocab_size, 1)))
+
+
 def window_nll(lm: LoadedModel, window: TextWindow, plan: Optional[SparsePlan], logits_chunk: int) -> torch.Tensor:
     """fp64 ``[T - 1]``: NLL of token ``t + 1`` given tokens ``0..t``, under ``plan`` (None = dense)."""
     ids = torch.tensor([window.token_ids], dtype=torch.int64)  # [1, T]
@@ -133,7 +143,9 @@ def window_nll(lm: LoadedModel, window: TextWindow, plan: Optional[SparsePlan], 
     with torch.inference_mode():
         hidden = lm.model.base_model(input_ids=ids, use_cache=False, **kwargs).last_hidden_state[0]  # [T, C]
         softcap = getattr(lm.model.config, "final_logit_softcapping", None)
-        return token_nll(hidden[:-1], lm.model.get_output_embeddings(), ids[0, 1:], logits_chunk, softcap)
+        head = lm.model.get_output_embeddings()
+        rows = logits_rows(logits_chunk, head.weight.shape[0])
+        return token_nll(hidden[:-1], head, ids[0, 1:], rows, softcap)
 
 
 # Select-all runs query chunks with a scattered boolean mask, dense runs SDPA's causal path;
