@@ -51,6 +51,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import TopologyKVCounters, apply_topology_kv_policy
+from rtp_llm.models_py.modules.hybrid.topology_kv_request import TopologyStepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,7 @@ class Indexer(nn.Module):
         drift_tracker: Optional[BlockDriftTracker] = None,
         topology_context=None,
         topology_counters: Optional[TopologyStepCounters] = None,
+        topology_plan: Optional[TopologyStepPlan] = None,
     ) -> Optional[torch.Tensor]:
         """Top-k rows of the step, then the topology policy when enabled for the path.
 
@@ -169,6 +171,8 @@ class Indexer(nn.Module):
         topology_context : TopologyRequestContext or one per request (compress mode)
         topology_counters : caller-owned :class:`TopologyStepCounters`, or None; when given,
             this layer's counters (or None if the policy did not run) are recorded there
+        topology_plan : the step's :class:`TopologyStepPlan` (built once per forward from the
+            contexts, shared by every layer), or None; exclusive with ``topology_context``
 
         Returns
         -------
@@ -201,7 +205,7 @@ class Indexer(nn.Module):
                 topology_counters.record(self.layer_idx, None)
             return topk
         out, counters = self._apply_topology(
-            path, topk, fmha_params, attention_inputs, cp_params, drift_tracker, topology_context
+            path, topk, fmha_params, attention_inputs, cp_params, drift_tracker, topology_context, topology_plan
         )
         if topology_counters is not None:
             topology_counters.record(self.layer_idx, counters)
@@ -219,6 +223,7 @@ class Indexer(nn.Module):
         drift_tracker: Optional[BlockDriftTracker] = None,
         topology_context=None,
         topology_counters: Optional[TopologyStepCounters] = None,
+        topology_plan: Optional[TopologyStepPlan] = None,
     ) -> Optional[torch.Tensor]:
         return self._compute_topk(
             q,
@@ -230,6 +235,7 @@ class Indexer(nn.Module):
             drift_tracker=drift_tracker,
             topology_context=topology_context,
             topology_counters=topology_counters,
+            topology_plan=topology_plan,
         )
 
     # ------------------------------------------------------------------ cache writes
@@ -396,6 +402,7 @@ class Indexer(nn.Module):
         cp_params,
         drift_tracker: Optional[BlockDriftTracker],
         topology_context,
+        topology_plan: Optional[TopologyStepPlan] = None,
     ) -> Tuple[torch.Tensor, Optional[TopologyKVCounters]]:
         """The policy on the op's rows: ``(rows, counters)``; counters None when skipped."""
         config = self.topology.policy
@@ -438,5 +445,6 @@ class Indexer(nn.Module):
             block_drift_scores=drift,
             row_to_request=row_to_request,
             context=topology_context,
+            plan=topology_plan,
         )
         return result.indices, result.counters

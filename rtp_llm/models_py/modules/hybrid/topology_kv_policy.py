@@ -22,9 +22,8 @@ everything it calls) is pure tensor code with static shapes: no ``.item()``,
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
-from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -47,62 +46,12 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_policy_core import (  # noqa: 
     topology_kv_policy_core,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy_rows import VIOLATIONS, row_violations
-
-# ---------------------------------------------------------------------------------------
-# Per-request context and fingerprints (host side; owned by the caller, never shared).
-# ---------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class TopologyRequestContext:
-    """Per-request state the caller owns and passes in; the policy keeps none of its own.
-
-    Attributes
-    ----------
-    scaffold_token_ids : tuple of int
-        The request's stable scaffold (e.g. a shared system prompt), a prefix of the
-        request. ``TOPOLOGY_COMPRESS_SPARSE`` represents structural blocks that lie
-        wholly inside it by one token each.
-    last_fingerprint : str or None
-        Fingerprint of the previous call with this context.
-    compression_hits : int
-        Calls whose fingerprint equalled the previous one (the scaffold and output
-        contract were unchanged, so a cached scaffold layout could be reused).
-    """
-
-    scaffold_token_ids: Tuple[int, ...] = ()
-    last_fingerprint: Optional[str] = None
-    compression_hits: int = 0
-
-    def __post_init__(self) -> None:
-        ids = tuple(self.scaffold_token_ids)
-        for i, tok in enumerate(ids):
-            if isinstance(tok, bool) or not isinstance(tok, int):
-                raise TypeError(f"scaffold_token_ids[{i}]: expected int, got {type(tok).__name__}")
-        self.scaffold_token_ids = ids
-
-    @property
-    def scaffold_length(self) -> int:
-        return len(self.scaffold_token_ids)
-
-
-def policy_fingerprint(config: TopologyKVPolicyConfig, width: int, scaffold_token_ids: Sequence[int]) -> str:
-    """Stable hex digest of the scaffold tokens and the output contract.
-
-    Covers the mode, width ``W``, block size, block counts, structural fraction and
-    the scaffold token ids: equal fingerprints mean equal structural layouts for the
-    scaffold span. Stable across processes (sha256 of a canonical string).
-    """
-    contract = (
-        f"mode={config.policy.value};W={width};bs={config.block_size};sink={config.sink_blocks};"
-        f"local={config.local_blocks};witness={config.witness_blocks};"
-        f"frac={config.max_structural_fraction!r};sink_tokens={config.sink_tokens};"
-        f"budget={config.structural_budget.value};scaffold="
-    )
-    digest = hashlib.sha256(contract.encode())
-    digest.update(",".join(str(int(t)) for t in scaffold_token_ids).encode())
-    return digest.hexdigest()[:16]
-
+from rtp_llm.models_py.modules.hybrid.topology_kv_request import (  # noqa: F401 (re-exported)
+    ContextArg,
+    TopologyRequestContext,
+    TopologyStepPlan,
+    policy_fingerprint,
+)
 
 # ---------------------------------------------------------------------------------------
 # Counters and result.
@@ -258,9 +207,6 @@ def _violation_message(rule, row, topk_indices, lengths, offsets, drift_blocks, 
 # Public entry point.
 # ---------------------------------------------------------------------------------------
 
-ContextArg = Union[None, TopologyRequestContext, Sequence[TopologyRequestContext]]
-
-
 def apply_topology_kv_policy(
     topk_indices: torch.Tensor,
     lengths: torch.Tensor,
@@ -274,6 +220,7 @@ def apply_topology_kv_policy(
     measure_time: bool = False,
     validate: bool = True,
     backend: Union[None, str, TopologyKVBackend] = None,
+    plan: Optional[TopologyStepPlan] = None,
     out: Optional[torch.Tensor] = None,
     counters_out: Optional[torch.Tensor] = None,
 ) -> TopologyKVPolicyResult:
@@ -310,6 +257,10 @@ def apply_topology_kv_policy(
         Which implementation runs (``topology_kv_policy_backends``: same rows and counters
         bit for bit). A backend forced by name that cannot run on the rows' device raises
         ``ValueError`` naming it, the device and why.
+    plan : TopologyStepPlan or None
+        The step's shared inputs (scaffold spans on the device, fingerprints), built once
+        per forward with :meth:`TopologyStepPlan.build` and passed to every layer; then
+        ``context`` must be None. None: built here from ``context`` (host work per call).
     out : like ``topk_indices`` (same shape, dtype, device), or None
         Written with the result rows (fully overwritten), which are then ``out`` itself.
     counters_out : int64 ``[len(COUNTER_NAMES)]`` on the rows' device, or None
@@ -351,34 +302,20 @@ def apply_topology_kv_policy(
         )
 
     W = topk_indices.shape[1]
-    contexts = _as_context_list(context)
-    fingerprints = tuple(policy_fingerprint(config, W, c.scaffold_token_ids) for c in contexts)
-    hits = 0
-    for ctx, fp in zip(contexts, fingerprints):
-        if ctx.last_fingerprint == fp:
-            ctx.compression_hits += 1
-            hits += 1
-        ctx.last_fingerprint = fp
+    if plan is None:
+        plan = TopologyStepPlan.build(
+            config, W, context, num_rows=topk_indices.shape[0], row_to_request=row_to_request,
+            device=topk_indices.device,
+        )
+    elif context is not None:
+        raise ValueError("context: expected None when plan is given (the plan was built from the contexts)")
+    scaffold = plan.scaffold_lengths
+    if scaffold is not None and tuple(scaffold.shape) != (topk_indices.shape[0],):
+        raise ValueError(f"plan.scaffold_lengths: expected shape ({topk_indices.shape[0]},), got {tuple(scaffold.shape)}")
 
     drift = block_drift_scores
     if drift is not None and row_to_request is not None:
         drift = drift.index_select(0, row_to_request.to(torch.int64))  # [R, N]
-    scaffold = None
-    if config.policy is TopologyKVPolicyMode.TOPOLOGY_COMPRESS_SPARSE and contexts:
-        per_request = torch.tensor(
-            [c.scaffold_length for c in contexts], dtype=torch.int64, device=topk_indices.device
-        )
-        if len(contexts) == 1:
-            scaffold = per_request.expand(topk_indices.shape[0])
-        elif row_to_request is not None:
-            scaffold = per_request.index_select(0, row_to_request.to(torch.int64))
-        else:
-            if len(contexts) != topk_indices.shape[0]:
-                raise ValueError(
-                    f"context: expected 1 context, one per row ({topk_indices.shape[0]}), or "
-                    f"row_to_request, got {len(contexts)} contexts"
-                )
-            scaffold = per_request
     resolved = resolve_backend(config.backend if backend is None else backend, topk_indices.device)
     if validate:
         _validate_buffers(topk_indices, out, counters_out)
@@ -413,8 +350,8 @@ def apply_topology_kv_policy(
         elapsed = (time.perf_counter() - start) * 1e3
     return TopologyKVPolicyResult(
         indices=rows,
-        counters=TopologyKVCounters(tensors=counters, compression_hits=hits, lazy=lazy),
-        fingerprints=fingerprints,
+        counters=TopologyKVCounters(tensors=counters, compression_hits=plan.compression_hits, lazy=lazy),
+        fingerprints=plan.fingerprints,
         schedule_ms=elapsed,
     )
 
@@ -429,18 +366,6 @@ def _validate_buffers(topk_indices: torch.Tensor, out, counters_out) -> None:
     if counters_out is not None:
         check_tensor("counters_out", counters_out, dtypes=(torch.int64,), shape=(len(COUNTER_NAMES),),
                      device=topk_indices.device, device_of="topk_indices")
-
-
-def _as_context_list(context: ContextArg):
-    if context is None:
-        return []
-    if isinstance(context, TopologyRequestContext):
-        return [context]
-    contexts = list(context)
-    for i, c in enumerate(contexts):
-        if not isinstance(c, TopologyRequestContext):
-            raise TypeError(f"context[{i}]: expected TopologyRequestContext, got {type(c).__name__}")
-    return contexts
 
 
 def _synchronize(device: torch.device) -> None:

@@ -51,7 +51,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     IndexerPath,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
-from rtp_llm.models_py.modules.hybrid.topology_kv_policy import TopologyRequestContext
+from rtp_llm.models_py.modules.hybrid.topology_kv_policy import TopologyRequestContext, TopologyStepPlan
 from tools.device_under_test import DEVICE
 
 # ------------------------------------------------------------------ routing, with mocked ops
@@ -193,6 +193,16 @@ def test_compress_mode_gets_contexts_per_request(prefill_case):
     )
     assert torch.equal(out.cpu(), expected)
     assert int(step.by_layer[0].compressed_blocks) == counters["compressed_blocks"] > 0
+    # The same through a per-step plan built once from the contexts (what serving passes to
+    # every layer): identical rows, counters recorded per layer.
+    r2r = torch.tensor(b.row_to_request, device=DEVICE)
+    plan = TopologyStepPlan.build(indexer.topology.policy, WIDTH, contexts, num_rows=known.shape[0],
+                                  row_to_request=r2r, device=DEVICE)
+    with mock.patch.object(Indexer, "_get_topk_ragged", autospec=True, return_value=known):
+        step = TopologyStepCounters()
+        out = run_compute_topk(indexer, prefill_case, kv_cache=None, topology_plan=plan, topology_counters=step)
+    assert torch.equal(out.cpu(), expected)
+    assert int(step.by_layer[0].compressed_blocks) == counters["compressed_blocks"]
 
 
 def test_switched_off_path_passes_through_and_logs_once(prefill_case, decode_case, caplog):
