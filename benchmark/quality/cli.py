@@ -29,10 +29,11 @@ from benchmark.quality.probe import (DEFAULT_DISTANCES, DEFAULT_SEGMENT, ProbeSe
 from benchmark.quality.intervals import DEFAULT_CHUNK, DEFAULT_SAMPLES, BootstrapSettings
 from benchmark.quality.text import NOVELS, ensure_austen_text, load_text_file, sample_windows
 
-# Default run: one 2k window, three budgets, every selector: 1 dense + 24 sparse forwards.
-# Measured on 2 cores: 6.0 min wall (18 s model load, ~13 s per sparse forward); 10 min
-# when other jobs share the cores. --full is the whole grid: 64 sparse forwards, half of
-# them at 8k (minutes each).
+# Default run: three 2k windows, three budgets, every selector, plus the copy probe's
+# window: 4 dense + 96 sparse forwards (one sparse forward at 2k: ~15 s for the cheap
+# selectors to ~30-80 s for the proxy indexer and the policy modes on 2 shared cores; see
+# docs/quality.md, "Cost of a sparse forward"). --full is the whole grid at 2k and 8k
+# (hours on 2 cores).
 DEFAULT_CONTEXTS = (2048,)
 DEFAULT_WINDOWS = 3  # windows per context: the bootstrap intervals resample their chunks
 DEFAULT_BUDGETS = (Fraction(1, 16), Fraction(1, 8), Fraction(1, 4))
