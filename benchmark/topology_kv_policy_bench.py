@@ -232,13 +232,14 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
                     policy=mode, coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED
                 )
                 out = torch.empty_like(x)
-                totals = torch.zeros(8, dtype=torch.int64, device=device)
 
-                def call(backend, cfg=cfg, s_=s_, out=out, totals=totals):
-                    # Caller buffers, as serving (and CUDA graphs) would pass them.
+                def call(backend, cfg=cfg, s_=s_, out=out):
+                    # The rows into a caller buffer, as serving would pass it. No counters_out:
+                    # with it the torch backend must also compute topology_only's learned
+                    # counters (a sort per row), which it otherwise leaves until they are read.
                     return apply_topology_kv_policy(
                         x, lengths, config=cfg, block_drift_scores=drift, learned_scores=s_, validate=False,
-                        backend=backend, out=out, counters_out=totals,
+                        backend=backend, out=out,
                     )
 
                 fns = {b: functools.partial(call, b) for b in args.backend}
