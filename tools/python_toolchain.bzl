@@ -1,8 +1,9 @@
 """Python toolchain for Bazel 4: the interpreter of this checkout's .venv.
 
 Without a registered toolchain Bazel 4 autodetects `python3` on the action's PATH, which
-under `--incompatible_strict_action_env` is a global Python without torch (see
-/work/shared/BAZEL.md). This repository rule picks the interpreter once, at fetch time:
+under `--incompatible_strict_action_env` is a global Python without torch (the stub's
+`#!/usr/bin/env python` then fails, or runs whatever PATH the caller had). This repository
+rule picks the interpreter once, at fetch time:
 
   1. $RTP_LLM_PYTHON, if set (an absolute path, or a name looked up on PATH);
   2. <workspace>/.venv/bin/python3, if it exists (scripts/setup.sh creates it);
