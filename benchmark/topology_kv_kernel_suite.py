@@ -291,6 +291,12 @@ def test_broken_rows_dtype_limits(kernel, mode):
     # ends at int64's max (offset + length = 2**63).
     x = _t([[I64 - 1, -1], [3, -1], [I64, -1]])
     check_equal(kernel, x, _t([I64, 10, 1]), offsets=_t([I64 - 1, 0, I64]), **_kw(mode, 2))
+    # A drift table too short for a row near int64's max length: ceil(length / bs) must not
+    # overflow (it did: (length + bs - 1) // bs wrapped negative and the row passed).
+    x = _t([[0, -1], [0, 1]])
+    got = check_equal(kernel, x, _t([I64, 8]), drift=torch.rand(2, 2, generator=torch.Generator().manual_seed(0)),
+                      **_kw(mode, 2))
+    assert got[0].tolist() == [0, -1]
 
 
 @pytest.mark.parametrize("mode", ENABLED_MODES)

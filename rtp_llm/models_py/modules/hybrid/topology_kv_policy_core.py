@@ -146,7 +146,7 @@ def _structural_slots(
     sink_blk = sink_tokens // bs if token_sinks else sink_blocks
     partial_sink = token_sinks and sink_tokens % bs != 0
     S_sink = sink_tokens if token_sinks else sink_blocks * bs  # sink slots
-    nb = (lengths64 + bs - 1) // bs  # [R]
+    nb = (lengths64.clamp(min=1) - 1) // bs + 1  # [R] ceil(length / bs) without overflow near 2**63
     sink_end = torch.clamp(nb, max=sink_blk)
     local_start = torch.maximum(torch.clamp(nb - local_blocks, min=0), sink_end)
     wit = prioritized_block_schedule_unchecked(lengths64, sink_blk, local_blocks, n_wit, bs, drift)[

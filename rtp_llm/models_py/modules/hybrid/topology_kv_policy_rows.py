@@ -76,7 +76,7 @@ def violations_of_rows(x, valid, n_valid, lengths, offsets, drift_blocks, block_
         "duplicate": dup,
     }
     if drift_blocks is not None:
-        out["drift"] = (L + block_size - 1) // block_size > drift_blocks
+        out["drift"] = L > drift_blocks * block_size  # ceil(L / bs) > N, without forming L + bs - 1
     return out
 
 

@@ -160,7 +160,7 @@ if triton is not None:
 
         # ---- the row's schedule (scalars); broken rows compute garbage, masked at the end ----
         L = tl.maximum(length, 1)
-        nb = (L + BS - 1) // BS
+        nb = (L - 1) // BS + 1  # ceil(L / BS) without overflow (L >= 1)
         if HAS_DRIFT:  # the drift table must cover every block of the row
             broken = broken | (nb > N)
         sink_end = tl.minimum(nb, SINK_BLK)

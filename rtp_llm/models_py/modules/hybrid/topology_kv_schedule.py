@@ -170,7 +170,7 @@ def prioritized_block_schedule_unchecked(
     device = lengths.device
     lengths = lengths.to(torch.int64)
     R = lengths.shape[0]
-    num_blocks = (lengths + block_size - 1) // block_size  # [R]
+    num_blocks = (lengths.clamp(min=1) - 1) // block_size + 1  # [R] ceil, no overflow near 2**63
     sink_cols = torch.arange(sink_blocks, device=device)  # [s]
     sinks = torch.where(sink_cols.unsqueeze(0) < num_blocks.unsqueeze(1), sink_cols.unsqueeze(0), -1)
     sink_end = torch.clamp(num_blocks, max=sink_blocks)  # [R] first block after the sinks
