@@ -319,7 +319,7 @@ def apply_topology_kv_policy(
     resolved = resolve_backend(config.backend if backend is None else backend, topk_indices.device)
     if validate:
         _validate_buffers(topk_indices, out, counters_out)
-    rows, counters, mismatch_rows = run_policy_core(
+    rows, counters, lazy = run_policy_core(
         resolved,
         topk_indices,
         lengths,
@@ -338,12 +338,6 @@ def apply_topology_kv_policy(
         sink_tokens=config.sink_tokens,
         scale_budget_by_length=config.structural_budget is StructuralBudget.SCALED,
     )
-    lazy = None
-    if mismatch_rows is not None and config.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY:
-
-        def lazy():
-            return topology_only_counters(topk_indices, rows, mismatch_rows, counters["selected_tokens"])
-
     elapsed = None
     if measure_time:
         _synchronize(topk_indices.device)

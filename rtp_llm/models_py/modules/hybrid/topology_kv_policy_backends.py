@@ -92,10 +92,14 @@ def resolve_backend(backend, device) -> TopologyKVBackend:
     """The concrete backend that runs on ``device``: ``auto`` resolved, a forced one checked.
 
     Raises ``ValueError`` naming the backend, the device and the reason when a backend
-    forced by name cannot run there.
+    forced by name cannot run there. Cached per (backend, device): whether a backend can
+    run does not change within a process, and the policy calls this on every layer.
     """
-    backend = TopologyKVBackend.parse(backend)
-    device = torch.device(device)
+    return _resolve_cached(TopologyKVBackend.parse(backend), torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve_cached(backend: TopologyKVBackend, device: torch.device) -> TopologyKVBackend:
     if backend is TopologyKVBackend.AUTO:
         preferred = TopologyKVBackend.TRITON if device.type == "cuda" else TopologyKVBackend.CPU_FUSED
         return preferred if _why_not(preferred, device) is None else TopologyKVBackend.TORCH
@@ -129,19 +133,17 @@ def run_policy_core(
     out: Optional[torch.Tensor] = None,
     counters_out: Optional[torch.Tensor] = None,
     **params,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Optional[torch.Tensor]]:
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Optional[Callable[[], Dict[str, torch.Tensor]]]]:
     """Run the core on a resolved ``backend`` (see :func:`resolve_backend`).
 
     ``params``: ``sink_blocks, local_blocks, witness_blocks, block_size, structural_cap,
     sink_tokens, scale_budget_by_length`` as in :func:`topology_kv_policy_core`.
 
-    Returns ``(indices, counters, mismatch_rows)``: the rows (``out`` when given);
-    counters as 0-dim int64 tensors keyed by :data:`COUNTER_NAMES` (views of
-    ``counters_out``, i.e. the caller's running totals, when it is given; this call's
-    counts otherwise); ``mismatch_rows`` bool ``[R]`` from the torch backends, whose
-    ``TOPOLOGY_ONLY`` counters in :data:`LAZY_ONLY_COUNTERS` are then missing (the caller
-    computes them lazily) unless ``counters_out`` is given; None from the kernels, which
-    compute every counter.
+    Returns ``(indices, counters, lazy)``: the rows (``out`` when given); counters as 0-dim
+    int64 tensors keyed by :data:`COUNTER_NAMES`, those known now; ``lazy`` (or None)
+    returns the rest when first read (views of the kernel's buffer, or of ``counters_out``,
+    i.e. the caller's running totals, when it is given; ``TOPOLOGY_ONLY``'s
+    :data:`LAZY_ONLY_COUNTERS` on the torch backends, a sort per row, off the hot path).
     """
     if backend in (TopologyKVBackend.TRITON, TopologyKVBackend.CPU_FUSED):
         kernel = (
@@ -153,19 +155,30 @@ def run_policy_core(
             topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths,
             mode=mode, out=out, counters=counters_out, **params,
         )
-        return rows, {name: buffer[i] for i, name in enumerate(COUNTER_NAMES)}, None
+        # The per-name views cost ~1 us each on CPU: made only when a counter is read.
+        return rows, {}, lambda: buffer_counters(buffer)
     core = compiled_core() if backend is TopologyKVBackend.COMPILED else topology_kv_policy_core
     rows, counters = core(topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, mode=mode, **params)
     mismatch_rows = counters.pop("mismatch_rows")
     if out is not None:
         out.copy_(rows)
         rows = out
+    only = mode is TopologyKVPolicyMode.TOPOLOGY_ONLY
     if counters_out is None:
-        return rows, counters, mismatch_rows
-    if mode is TopologyKVPolicyMode.TOPOLOGY_ONLY:
+        if not only:
+            return rows, counters, None
+        return rows, counters, lambda: topology_only_counters(
+            topk_indices, rows, mismatch_rows, counters["selected_tokens"]
+        )
+    if only:
         counters.update(topology_only_counters(topk_indices, rows, mismatch_rows, counters["selected_tokens"]))
     counters_out.add_(torch.stack([counters[name] for name in COUNTER_NAMES]))
-    return rows, {name: counters_out[i] for i, name in enumerate(COUNTER_NAMES)}, None
+    return rows, {}, lambda: buffer_counters(counters_out)
+
+
+def buffer_counters(buffer: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """0-dim views of an int64 ``[len(COUNTER_NAMES)]`` buffer, keyed by :data:`COUNTER_NAMES`."""
+    return {name: buffer[i] for i, name in enumerate(COUNTER_NAMES)}
 
 
 def topology_only_learned_kept(
