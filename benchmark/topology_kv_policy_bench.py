@@ -8,7 +8,8 @@ column alike; medians over rounds; inputs are warm in cache, a few MiB):
                  ``--backend``: ``torch`` (eager ops), ``compiled`` (torch.compile),
                  ``cpu_fused`` (one C++ pass per row), ``triton`` (one launch);
 * ``topk``       ``torch.topk`` over ``[R, L]`` fp32 indexer logits (the op the policy
-                 follows; skipped above ``--max-topk-elements`` to bound memory);
+                 follows; skipped above ``--max-topk-elements`` to bound memory), timed in
+                 the same interleaved rounds as the policy;
 * ``copy``       a plain copy of the ``[R, W]`` index rows (the memory-traffic floor);
 * ``reference``  the plain loop reference on ``--reference-rows`` rows, scaled to ``R``.
 
@@ -215,15 +216,14 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
             time_ms(lambda: query_bound_scores_unchecked(q_idx, kmin, kmax, lengths, wbs), device, args.rounds, args.warmup)
         )
         del q_idx, cents, kmin, kmax
-        copy_ms = statistics.median(time_ms(lambda: copy_out.copy_(x), device, args.rounds, args.warmup))
-        topk_ms = None
+        # The baselines are timed inside each interleaved round with the policy (below), so
+        # a noisy machine slows them alike and the ratios stay meaningful.
+        baselines = {"copy": lambda: copy_out.copy_(x)}
+        logits = None
         if R * L <= args.max_topk_elements:
             logits = torch.randn(R, L, generator=gen).to(device)
             k = min(W, L)
-            topk_ms = statistics.median(
-                time_ms(lambda: torch.topk(logits, k, dim=1), device, max(1, args.rounds // 2), 1)
-            )
-            del logits
+            baselines["topk"] = lambda: torch.topk(logits, k, dim=1)
         score_opts = {"with": [True], "without": [False], "both": [False, True]}[args.learned_scores]
         for mode in args.modes:
             for use_scores in score_opts:
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
                         backend=backend, out=out,
                     )
 
-                fns = {b: functools.partial(call, b) for b in args.backend}
+                fns = {**baselines, **{b: functools.partial(call, b) for b in args.backend}}
                 if "compiled" in fns:
                     t0 = time.perf_counter()
                     fns["compiled"]()
@@ -250,6 +250,9 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
                 else:
                     compile_s = None
                 all_times = time_interleaved(fns, device, args.rounds, args.warmup)
+                copy_ms = statistics.median(all_times.pop("copy"))
+                topk_times = all_times.pop("topk", None)
+                topk_ms = None if topk_times is None else statistics.median(topk_times)
                 n_ref = min(R, args.reference_rows)
                 xr, lr = x[:n_ref].cpu(), lengths[:n_ref].cpu()
                 dr, sr = drift[:n_ref].cpu(), None if s_ is None else s_[:n_ref].cpu()
@@ -286,6 +289,7 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
                         "witness_query_mass_ms": mass_ms,
                         "witness_query_bound_ms": bound_ms,
                     })
+        del logits, baselines  # the [R, L] logits can be 512 MiB
         log(f"[policy-bench] cell {ci + 1}/{len(cells)} rows={R} seq_len={L} done", file=sys.stderr)
     return results
 
