@@ -10,7 +10,7 @@ gate turns them into PASS/FAIL per policy mode.
 Modules, one concern each:
 
     paths             repository root, data folder, ``bazel run`` path resolution
-    text              Austen text: Debian package -> cached plain text -> token windows
+    text              Austen text (Debian package -> cached plain text) or any UTF-8 file -> token windows
     model             GGUF discovery, offline loading, full-attention layer detection
     index_rows        the engine's top-k row convention: build, check, turn into masks
     layer             one layer's attention inputs and the chunked attention maths
@@ -22,6 +22,8 @@ Modules, one concern each:
     selectors         oracle / learned / locality / random / all, and the by-name registry
     sparse_attention  the transformers attention-interface hook and per-forward plan
     metrics           chunked perplexity and per-layer metric accumulators
+    intervals         paired chunk-bootstrap intervals of perplexity ratios
+    probe             the copy probe: random segments repeated at a distance, copy accuracy
     runner            the grid: dense forward, then one forward per (selector, budget)
     gate              PASS/FAIL per policy mode from the grid's numbers
     raised_gate       the stricter gate over merge modes and failure modes (``--raised-gate``)
