@@ -51,6 +51,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import TopologyKVCounters, apply_topology_kv_policy
+from rtp_llm.models_py.modules.hybrid.topology_kv_policy_backends import resolve_backend
 from rtp_llm.models_py.modules.hybrid.topology_kv_request import TopologyStepPlan
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ class Indexer(nn.Module):
     layer_idx : for log messages
     fp8_emulation : emulate the engine's fp8-e4m3 q/k (reference ops and :meth:`write_keys`)
     topology : settings; None reads them from ``os.environ`` once, here
+    device : the device the layer runs on, or None. When given and the policy is enabled,
+        its backend is resolved here (``auto`` picks, a forced one that cannot run there
+        raises now, and the fused CPU kernel is built now rather than at the first call)
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class Indexer(nn.Module):
         layer_idx: int = 0,
         fp8_emulation: bool = False,
         topology: Optional[IndexerTopologySettings] = None,
+        device: Optional[torch.device] = None,
     ) -> None:
         super().__init__()
         self.index_n_heads = index_n_heads
@@ -126,6 +131,8 @@ class Indexer(nn.Module):
                     f"(1/{index_topk}) so that {policy.policy.value} can inject a token, got "
                     f"{policy.max_structural_fraction} (floor({index_topk} * {policy.max_structural_fraction}) = 0)"
                 )
+        if device is not None and policy.enabled:
+            resolve_backend(policy.backend, device)  # raises naming backend and device; builds once
         self.topology = topology
         self._logged_skip_reasons = set()  # (reason, path) pairs already logged
 

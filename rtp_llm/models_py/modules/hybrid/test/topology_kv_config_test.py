@@ -7,6 +7,7 @@ import os
 from unittest import mock
 
 import pytest
+import torch
 
 from rtp_llm.models_py.modules.hybrid.indexer import Indexer
 from rtp_llm.models_py.modules.hybrid.test.indexer_cases import (
@@ -18,6 +19,7 @@ from rtp_llm.models_py.modules.hybrid.test.indexer_cases import (
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     ALL_PATHS,
+    ENV_BACKEND,
     ENV_LOCAL_BLOCKS,
     ENV_MAX_STRUCTURAL_FRACTION,
     ENV_MISMATCH_ACTION,
@@ -173,3 +175,13 @@ def test_python_config_and_serving_env_default_to_the_same_sync_free_action():
     assert TopologyKVPolicyConfig().coordinate_mismatch_action is fallback
     assert IndexerTopologySettings.from_env({}).policy.coordinate_mismatch_action is fallback
     assert IndexerTopologySettings().policy.coordinate_mismatch_action is fallback
+
+
+def test_a_forced_backend_the_layer_device_cannot_run_fails_at_construction():
+    """With its device known, the Indexer resolves (and builds) the policy's backend once,
+    at construction: a forced backend that cannot run there fails now, naming itself."""
+    settings = IndexerTopologySettings.from_env({ENV_POLICY: "topology_sparse_merge", ENV_BACKEND: "cpu_fused"})
+    with pytest.raises(ValueError, match="backend: 'cpu_fused' cannot run on meta"):
+        Indexer(HEADS, DIM, topology=settings, device=torch.device("meta"))
+    Indexer(HEADS, DIM, topology=settings)  # device unknown: resolved at the first call
+    Indexer(HEADS, DIM, topology=IndexerTopologySettings(), device=torch.device("meta"))  # disabled: nothing
