@@ -234,10 +234,6 @@ class IndexerPath(enum.Enum):
 ALL_PATHS: FrozenSet[IndexerPath] = frozenset(IndexerPath)
 
 
-def _default_policy() -> TopologyKVPolicyConfig:
-    return TopologyKVPolicyConfig(coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED)
-
-
 _DECIMAL_INT = re.compile(r"[0-9]{1,9}")  # ASCII only; 9 digits is far past every cap
 _DECIMAL_FRACTION = re.compile(r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]{1,3})?")
 
@@ -327,7 +323,7 @@ class IndexerTopologySettings:
         Paths the policy runs on when enabled; the others return the op's rows unchanged.
     """
 
-    policy: TopologyKVPolicyConfig = dataclasses.field(default_factory=_default_policy)
+    policy: TopologyKVPolicyConfig = dataclasses.field(default_factory=TopologyKVPolicyConfig)
     paths: FrozenSet[IndexerPath] = ALL_PATHS
 
     def __post_init__(self) -> None:
