@@ -52,6 +52,12 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
 from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import TopologyKVCounters, apply_topology_kv_policy
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy_backends import resolve_backend
+from rtp_llm.models_py.modules.hybrid.topology_kv_profile import (
+    ModelFingerprint,
+    TopologyKVProfile,
+    layer_topology_settings,
+    profile_from_env,
+)
 from rtp_llm.models_py.modules.hybrid.topology_kv_request import TopologyStepPlan
 
 logger = logging.getLogger(__name__)
@@ -98,6 +104,16 @@ class Indexer(nn.Module):
     device : the device the layer runs on, or None. When given and the policy is enabled,
         its backend is resolved here (``auto`` picks, a forced one that cannot run there
         raises now, and the fused CPU kernel is built now rather than at the first call)
+    topology_profile : a :class:`TopologyKVProfile` (per-layer structural budgets,
+        docs/profile.md), or None. With ``topology=None`` it is read from
+        ``RTP_LLM_TOPOLOGY_KV_PROFILE`` when set (checked against ``model_fingerprint``).
+        This layer's entry replaces the structural settings once, here: a skipped layer
+        gets the policy disabled (the op's rows returned as they are)
+    topology_profile_budget : the profile budget to use (e.g. ``"1/16"``), or None to pick
+        the one nearest ``index_topk / reference context`` (``RTP_LLM_TOPOLOGY_KV_PROFILE_BUDGET``
+        with ``topology=None``)
+    model_fingerprint : :class:`ModelFingerprint` of the served model; needed when
+        ``RTP_LLM_TOPOLOGY_KV_PROFILE`` is read
     """
 
     def __init__(
@@ -111,6 +127,9 @@ class Indexer(nn.Module):
         fp8_emulation: bool = False,
         topology: Optional[IndexerTopologySettings] = None,
         device: Optional[torch.device] = None,
+        topology_profile: Optional[TopologyKVProfile] = None,
+        topology_profile_budget: Optional[str] = None,
+        model_fingerprint: Optional[ModelFingerprint] = None,
     ) -> None:
         super().__init__()
         self.index_n_heads = index_n_heads
@@ -121,8 +140,16 @@ class Indexer(nn.Module):
         self.fp8_emulation = fp8_emulation
         if topology is None:
             topology = IndexerTopologySettings.from_env(os.environ, block_size=blocksize)
+            if topology_profile is None:
+                topology_profile, env_budget = profile_from_env(os.environ, model_fingerprint=model_fingerprint)
+                topology_profile_budget = topology_profile_budget or env_budget
         if not isinstance(topology, IndexerTopologySettings):
             raise TypeError(f"topology: expected IndexerTopologySettings, got {type(topology).__name__}")
+        if topology_profile is not None:
+            # Once, here: the layer keeps its own immutable settings; nothing runs per call.
+            topology = layer_topology_settings(
+                topology, topology_profile, layer_idx, index_topk, topology_profile_budget
+            )
         policy = topology.policy
         if policy.enabled and policy.policy is not TopologyKVPolicyMode.TOPOLOGY_ONLY:
             if policy.structural_cap(index_topk) == 0:

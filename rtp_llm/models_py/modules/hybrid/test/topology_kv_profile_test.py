@@ -1,0 +1,316 @@
+"""Per-layer profiles (``topology_kv_profile``): loader errors, the budget pick, and the
+``Indexer`` taking each layer's own settings once, at construction.
+
+CPU by default; ``//rtp_llm/models_py/modules/hybrid/test:topology_kv_profile_cuda_manual``
+runs the same file on a GPU (plus the no-sync check).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from fractions import Fraction
+from unittest import mock
+
+import pytest
+import torch
+
+from rtp_llm.models_py.modules.hybrid import indexer as indexer_module
+from rtp_llm.models_py.modules.hybrid import topology_kv_profile as profile_module
+from rtp_llm.models_py.modules.hybrid.indexer import Indexer
+from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerKeyCache
+from rtp_llm.models_py.modules.hybrid.test import indexer_ref as ref
+from rtp_llm.models_py.modules.hybrid.test.indexer_cases import (
+    DIM,
+    HEADS,
+    MERGE,
+    PAGE,
+    WIDTH,
+    engine_rows,
+    to_device,
+)
+from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
+    ENV_POLICY,
+    IndexerTopologySettings,
+    TopologyKVPolicyConfig,
+    TopologyKVPolicyMode,
+)
+from rtp_llm.models_py.modules.hybrid.topology_kv_profile import (
+    ENV_PROFILE,
+    ENV_PROFILE_BUDGET,
+    PROFILE_FORMAT,
+    PROFILE_VERSION,
+    ModelFingerprint,
+    load_topology_profile,
+    parse_topology_profile,
+)
+from tools.device_under_test import DEVICE
+
+FINGERPRINT = ModelFingerprint("ab" * 32, "tiny.gguf", num_layers=4, full_attention_layers=(0, 1, 3))
+# Layer 0: sinks only, a quarter of W; layer 1: two local blocks, an eighth; layer 3 skipped.
+SINKS_ONLY = {"max_structural_fraction": 0.25, "sink_tokens": 4, "local_blocks": 0, "witness_blocks": 0}
+LOCAL_ONLY = {"max_structural_fraction": 0.125, "sink_tokens": 0, "local_blocks": 2, "witness_blocks": 0}
+SKIP = {"max_structural_fraction": 0, "sink_tokens": 0, "local_blocks": 0, "witness_blocks": 0}
+# A prefill whose rows cross W = 2048: lengths 2001..2060 (long from 2049) and 1..8 (short).
+PREFIX, NEW = (2000, 0), (60, 8)
+
+
+def _profile_dict():
+    return copy.deepcopy({
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "model": FINGERPRINT.to_json(),
+        "text": {"name": "austen", "sha256": "cd" * 32},
+        "settings": {
+            "policy": "topology_sparse_merge",
+            "block_size": PAGE,
+            "contexts": [4096, 8192],
+            "budgets": ["1/16", "1/4"],
+        },
+        "command": "topology_kv_calibrate.py --contexts 4096,8192",
+        "layers": {
+            "0": {"1/16": SKIP, "1/4": SINKS_ONLY},
+            "1": {"1/16": SKIP, "1/4": LOCAL_ONLY},
+            "3": {"1/16": SKIP, "1/4": SKIP},
+        },
+    })
+
+
+def _write(tmp_path, data, name="profile.json"):
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def test_a_valid_profile_loads_into_frozen_settings(tmp_path):
+    p = load_topology_profile(_write(tmp_path, _profile_dict()), model_fingerprint=FINGERPRINT)
+    assert p.budgets == (Fraction(1, 16), Fraction(1, 4)) and p.reference_context == 8192
+    assert p.policy is MERGE and p.block_size == PAGE
+    assert p.setting(0, Fraction(1, 4)).sink_tokens == 4 and p.setting(3, Fraction(1, 4)).skipped
+    assert p.setting(2, Fraction(1, 4)) is None  # not a full-attention layer
+    # The name is informational: a renamed file with the same weights is the same model.
+    renamed = ModelFingerprint(FINGERPRINT.gguf_sha256.upper(), "other-name.gguf", 4, (0, 1, 3))
+    load_topology_profile(_write(tmp_path, _profile_dict()), model_fingerprint=renamed)
+
+
+def _broken(change):
+    data = _profile_dict()
+    change(data)
+    return data
+
+
+# (how the file is broken, the error it must give): each names the field, expected vs got.
+BAD_PROFILES = [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    (_broken(lambda d: d.update(format="other")), "format: expected 'rtp_llm.topology_kv_profile', got 'other'"),
+    (_broken(lambda d: d.update(version=2)), "version: expected 1, got 2"),
+    (_broken(lambda d: d.pop("model")), "model: expected the model's fingerprint object, missing"),
+    (_broken(lambda d: d["model"].update(gguf_sha256="ef" * 32)), r"made for tiny.gguf \(sha256 efefefef"),
+    (_broken(lambda d: d["model"].update(num_layers=30, full_attention_layers=[0, 1, 3])), "30 layers"),
+    (_broken(lambda d: d["layers"].pop("1")), r"layers: missing full-attention layers \[1\]"),
+    (_broken(lambda d: d["layers"]["0"].pop("1/16")), r"layers.0: missing budgets \['1/16'\]"),
+    (_broken(lambda d: d["layers"]["0"].update({"1/8": SKIP})), r"layers.0.1/8: unknown budget key"),
+    (_broken(lambda d: d["layers"]["0"].update({"half": SKIP})), "layers.0.half: expected a budget"),
+    (_broken(lambda d: d["layers"].update({"2": d["layers"]["0"]})), "layers.2: expected a full-attention layer"),
+    (_broken(lambda d: d["layers"]["0"]["1/4"].update(local_blocks=-1)), "local_blocks"),
+    (_broken(lambda d: d["layers"]["0"]["1/4"].update(local_blocks=65)), "local_blocks"),
+    (_broken(lambda d: d["layers"]["0"]["1/4"].update(sink_tokens=0, local_blocks=0)), "expected > 0"),
+    (_broken(lambda d: d["layers"]["0"]["1/4"].update(max_structural_fraction=1.5)), "in \\[0, 1\\], got 1.5"),
+    (_broken(lambda d: d["layers"]["0"]["1/4"].pop("witness_blocks")), "witness_blocks: expected an integer"),
+    (_broken(lambda d: d["layers"]["0"]["1/4"].update(sink_blocks=1)), r"unknown fields \['sink_blocks'\]"),
+    (_broken(lambda d: d["settings"].update(policy="disabled")), "settings.policy: expected an enabled mode"),
+    (_broken(lambda d: d["settings"].update(contexts=[])), "settings.contexts: expected a non-empty list"),
+    (_broken(lambda d: d.pop("command")), "command: expected the command line"),
+]
+
+
+@pytest.mark.parametrize("data, message", BAD_PROFILES)
+def test_bad_profiles_fail_naming_file_and_field(tmp_path, data, message):
+    path = _write(tmp_path, data)
+    with pytest.raises(ValueError, match=message) as err:
+        load_topology_profile(path, model_fingerprint=FINGERPRINT)
+    assert str(path) in str(err.value)
+
+
+def test_wrong_model_names_both_fingerprints(tmp_path):
+    other = ModelFingerprint("12" * 32, "gemma-3-270m.gguf", 18, (5, 11, 17))
+    with pytest.raises(ValueError) as err:
+        load_topology_profile(_write(tmp_path, _profile_dict()), model_fingerprint=other)
+    assert "tiny.gguf" in str(err.value) and "gemma-3-270m.gguf" in str(err.value)
+
+
+def test_unreadable_file(tmp_path):
+    with pytest.raises(ValueError, match="cannot read the topology KV profile") as err:
+        load_topology_profile(tmp_path / "absent.json", model_fingerprint=FINGERPRINT)
+    assert "absent.json" in str(err.value)
+
+
+# (W, override, picked budget) for budgets 1/16 and 1/4 at reference context 8192.
+BUDGET_PICKS = [
+    (2048, None, Fraction(1, 4)),  # 2048 / 8192 = 1/4 exactly
+    (512, None, Fraction(1, 16)),  # 1/16 exactly
+    (1024, None, Fraction(1, 16)),  # 1/8: as far from both in log scale, the smaller wins
+    (1100, None, Fraction(1, 4)),  # just past the geometric midpoint
+    (8192, None, Fraction(1, 4)),  # beyond every budget: the largest
+    (64, None, Fraction(1, 16)),
+    (2048, "1/16", Fraction(1, 16)),  # the override wins
+    (2048, " 0.0625 ", Fraction(1, 16)),
+]
+
+
+@pytest.mark.parametrize("width, override, expected", BUDGET_PICKS)
+def test_budget_pick(width, override, expected):
+    p = parse_topology_profile(_profile_dict(), model_fingerprint=FINGERPRINT)
+    assert p.pick_budget(width, override) == expected
+
+
+@pytest.mark.parametrize("override", ["1/8", "abc", "0"])
+def test_budget_override_must_be_calibrated(override):
+    p = parse_topology_profile(_profile_dict(), model_fingerprint=FINGERPRINT)
+    with pytest.raises(ValueError, match=rf"{ENV_PROFILE_BUDGET}: expected one of .*\[1/16, 1/4\], got '{override}'"):
+        p.pick_budget(2048, override)
+
+
+# ------------------------------------------------------------------------- in the Indexer
+
+
+def _step():
+    gen = torch.Generator().manual_seed(5)
+    batch = ref.build_prefill_batch(PREFIX, NEW, PAGE, gen)
+    rows = sum(NEW)
+    case = ref.IndexerCase(batch, None, None, None, None, None, torch.zeros(rows, HEADS, DIM),
+                           torch.zeros(rows, HEADS, 1))
+    known = engine_rows(batch.row_lengths, batch.row_offsets, gen).to(DEVICE)
+    return case, known
+
+
+def _call(indexer, case, known):
+    cache = IndexerKeyCache(torch.zeros(1, PAGE, DIM, device=DEVICE))
+    with mock.patch.object(Indexer, "_get_topk_ragged", autospec=True, return_value=known):
+        return indexer._compute_topk(
+            case.q.to(DEVICE), case.weights.to(DEVICE), cache,
+            to_device(case.batch.fmha_params), to_device(case.batch.attention_inputs), None,
+        )
+
+
+def _layers(profile, **kw):
+    return {i: Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=i, topology=IndexerTopologySettings(),
+                       topology_profile=profile, **kw) for i in (0, 1, 2, 3)}
+
+
+def test_each_layer_gets_its_own_settings_and_a_skipped_layer_returns_the_op_rows(tmp_path):
+    profile = parse_topology_profile(_profile_dict(), model_fingerprint=FINGERPRINT)
+    layers = _layers(profile)  # W 2048 / 8192 -> budget 1/4
+    base = TopologyKVPolicyConfig()
+    assert layers[0].topology.policy == TopologyKVPolicyConfig(policy=MERGE, **SINKS_ONLY)
+    assert layers[1].topology.policy == TopologyKVPolicyConfig(policy=MERGE, **LOCAL_ONLY)
+    for skipped in (2, 3):  # 2: not full attention; 3: share 0
+        assert layers[skipped].topology.policy == base and not layers[skipped].topology.enabled
+    case, known = _step()
+    before = known.clone()
+    outs = {i: _call(layer, case, known) for i, layer in layers.items()}
+    assert outs[3] is known and outs[2] is known, "a skipped layer must return the op's tensor itself"
+    assert torch.equal(known, before)
+    for i, settings in ((0, SINKS_ONLY), (1, LOCAL_ONLY)):
+        plain = Indexer(HEADS, DIM, WIDTH, PAGE, topology=IndexerTopologySettings(
+            policy=TopologyKVPolicyConfig(policy=MERGE, **settings)))
+        assert torch.equal(outs[i], _call(plain, case, known)), f"layer {i}: not its profile's settings"
+    lengths = case.batch.row_lengths
+    long_rows = [r for r, n in enumerate(lengths) if n > WIDTH]
+    assert long_rows
+    assert not torch.equal(outs[0], outs[1])
+    for r in long_rows:
+        row0, row1 = set(outs[0][r].tolist()), set(outs[1][r].tolist())
+        n = lengths[r]
+        assert {0, 1, 2, 3} <= row0, f"row {r}: layer 0 keeps the 4 sink tokens"
+        last_block = (n - 1) // PAGE
+        assert set(range(last_block * PAGE, n)) <= row1, f"row {r}: layer 1 keeps its local blocks"
+
+
+def test_a_smaller_width_picks_the_other_budget():
+    profile = parse_topology_profile(_profile_dict(), model_fingerprint=FINGERPRINT)
+    layer = Indexer(HEADS, DIM, 512, PAGE, layer_idx=0, topology=IndexerTopologySettings(), topology_profile=profile)
+    assert not layer.topology.enabled  # 512 / 8192 = 1/16: skipped there
+    forced = Indexer(HEADS, DIM, 512, PAGE, layer_idx=0, topology=IndexerTopologySettings(),
+                     topology_profile=profile, topology_profile_budget="1/4")
+    assert forced.topology.policy.sink_tokens == 4
+
+
+def test_the_environment_path(tmp_path, monkeypatch):
+    path = _write(tmp_path, _profile_dict())
+    monkeypatch.setenv(ENV_PROFILE, str(path))
+    with pytest.raises(ValueError, match=f"{ENV_PROFILE}=.*model_fingerprint="):
+        Indexer(HEADS, DIM, WIDTH, PAGE)
+    layer = Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=1, model_fingerprint=FINGERPRINT)
+    assert layer.topology.policy.local_blocks == 2 and layer.topology.policy.policy is MERGE
+    monkeypatch.setenv(ENV_PROFILE_BUDGET, "1/16")
+    assert not Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=1, model_fingerprint=FINGERPRINT).topology.enabled
+    other = ModelFingerprint("12" * 32, "other.gguf", 4, (0, 1, 3))
+    with pytest.raises(ValueError, match=f"{ENV_PROFILE}: .*made for tiny.gguf"):
+        Indexer(HEADS, DIM, WIDTH, PAGE, model_fingerprint=other)
+    monkeypatch.setenv(ENV_POLICY, "topology_only")
+    with pytest.raises(ValueError, match="calibrated 'topology_sparse_merge' but the policy is set to 'topology_only'"):
+        Indexer(HEADS, DIM, WIDTH, PAGE, model_fingerprint=FINGERPRINT)
+    monkeypatch.delenv(ENV_PROFILE)
+    monkeypatch.delenv(ENV_POLICY)
+    with pytest.raises(ValueError, match=f"{ENV_PROFILE_BUDGET}='1/16': expected {ENV_PROFILE} to be set too"):
+        Indexer(HEADS, DIM, WIDTH, PAGE)
+
+
+def test_the_file_is_parsed_once_for_every_layer(tmp_path, monkeypatch):
+    path = _write(tmp_path, _profile_dict(), "once.json")
+    monkeypatch.setenv(ENV_PROFILE, str(path))
+    real = profile_module.load_topology_profile
+    with mock.patch.object(profile_module, "load_topology_profile", side_effect=real) as load:
+        layers = [Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=i, model_fingerprint=FINGERPRINT) for i in range(4)]
+    assert load.call_count == 1
+    assert [layer.topology.enabled for layer in layers] == [True, True, False, False]
+
+
+def test_no_profile_is_todays_behaviour(monkeypatch):
+    monkeypatch.delenv(ENV_PROFILE, raising=False)
+    monkeypatch.delenv(ENV_PROFILE_BUDGET, raising=False)
+    assert Indexer(HEADS, DIM).topology == IndexerTopologySettings.from_env({})
+    assert Indexer(HEADS, DIM, model_fingerprint=FINGERPRINT).topology == IndexerTopologySettings.from_env({})
+
+
+def test_a_layer_call_does_no_profile_or_host_work(tmp_path):
+    profile = parse_topology_profile(_profile_dict(), model_fingerprint=FINGERPRINT)
+    layers = _layers(profile)
+    case, known = _step()
+    expected = {i: _call(layer, case, known) for i, layer in layers.items()}
+    fail = {"side_effect": AssertionError("per-call profile work")}
+    with mock.patch.object(profile_module.TopologyKVProfile, "pick_budget", **fail), \
+            mock.patch.object(profile_module.TopologyKVProfile, "layer_config", **fail), \
+            mock.patch.object(profile_module.TopologyKVProfile, "setting", **fail), \
+            mock.patch.object(indexer_module, "layer_topology_settings", **fail), \
+            mock.patch.object(indexer_module, "profile_from_env", **fail), \
+            mock.patch.object(profile_module, "load_topology_profile", **fail), \
+            mock.patch.object(profile_module.json, "loads", **fail), \
+            mock.patch.object(IndexerTopologySettings, "from_env", **fail), \
+            mock.patch.object(indexer_module.torch, "tensor", side_effect=AssertionError("host list")):
+        for i, layer in layers.items():
+            out = _call(layer, case, known)
+            assert torch.equal(out, expected[i])
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="sync detection needs CUDA")
+def test_profiled_layers_do_not_sync(tmp_path):
+    profile = parse_topology_profile(_profile_dict(), model_fingerprint=FINGERPRINT)
+    layers = _layers(profile)
+    case, known = _step()
+    _call(layers[0], case, known)  # warm-up (backend resolution, kernel build)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for layer in layers.values():
+            _call(layer, case, known)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_profile_object_is_immutable():
+    profile = parse_topology_profile(_profile_dict(), model_fingerprint=FINGERPRINT)
+    with pytest.raises(Exception):
+        profile.block_size = 8  # frozen dataclass
