@@ -1,0 +1,252 @@
+"""Prefill once, lay the batch out for every variant, decode the variants interleaved.
+
+Decode modes: one row per request per step (``next_n = 0``): greedy, every variant
+teacher-forced on dense's tokens so that each step's next-token distributions compare on
+the same context (a variant's own argmax is its token; the first step where it differs
+from dense's is where free-running greedy would diverge); or ``next_n + 1`` rows per
+request per step (speculative verification: ``IndexerAttentionInputs(is_target_verify=True,
+decode_cu_seqlens_device=...)``), the rows verifying the text's own continuation (an
+oracle drafter), every variant on the same rows. Variants decode interleaved, one step of
+each in turn, so a shared, noisy machine slows them alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from benchmark.e2e.attention import PARTS, PLAN_KWARG, StepPlan, dense_mask
+from benchmark.e2e.indexers import IndexerShape, ProxyIndexer, make_indexer
+from benchmark.e2e.layout import DEVICE, LayerPools, Layout, VariantState, slots_of
+from benchmark.e2e.memory import measure_step_memory, tensor_bytes
+from rtp_llm.models_py.modules.hybrid.indexer import TopologyStepCounters
+from rtp_llm.models_py.modules.hybrid.indexer_params import (
+    IndexerAttentionInputs,
+    IndexerFmhaParams,
+    IndexerKeyCache,
+)
+from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
+
+PREFILL_CHUNK = 1024  # prefill query tokens per forward (bounds the [H, T, L] logits)
+
+
+def attention_layers(model) -> List[int]:
+    return list(range(model.config.num_hidden_layers))
+
+
+def kv_geometry(model):
+    cfg = model.config
+    H = cfg.num_attention_heads
+    Hkv = getattr(cfg, "num_key_value_heads", None) or H
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    return H, Hkv, D
+
+
+@torch.no_grad()
+def prefill_text(model, tokens: Sequence[int], want: Sequence[int], chunk: int = PREFILL_CHUNK):
+    """Dense causal prefill of one text in chunks of ``chunk`` tokens.
+
+    Returns ``(K, V, logits, seconds)``: per layer fp32 ``[C, Hkv, D]`` keys and values,
+    ``logits [len(want), vocab]`` at positions ``want`` (the lm_head runs only there).
+    """
+    H, Hkv, D = kv_geometry(model)
+    C = len(tokens)
+    layers = attention_layers(model)
+    plan = StepPlan("prefill", pools={},
+                    prefill_k={i: torch.empty(C, Hkv, D) for i in layers},
+                    prefill_v={i: torch.empty(C, Hkv, D) for i in layers})
+    ids = torch.tensor([list(tokens)])
+    want_t = torch.tensor(list(want), dtype=torch.int64)
+    logits = torch.empty(len(want), model.config.vocab_size)
+    t0 = time.perf_counter()
+    for start in range(0, C, chunk):
+        end = min(C, start + chunk)
+        plan.position = start
+        sel = ((want_t >= start) & (want_t < end)).nonzero().flatten()
+        keep = (want_t[sel] - start) if sel.numel() else 1
+        out = model(input_ids=ids[:, start:end], position_ids=torch.arange(start, end).unsqueeze(0),
+                    use_cache=False, logits_to_keep=keep, **{PLAN_KWARG: plan})
+        if sel.numel():
+            logits[sel] = out.logits[0].to(torch.float32)
+    return plan.prefill_k, plan.prefill_v, logits, time.perf_counter() - t0
+
+
+@dataclasses.dataclass
+class BatchRun:
+    """Everything one (context, batch, mode) decode needs, built from one prefill."""
+
+    layout: Layout
+    pools: Dict[int, LayerPools]
+    states: Dict[str, VariantState]
+    first_tokens: List[int]  # dense greedy token after each request's prefill
+    continuation: Optional[List[int]]  # text tokens after position C (multi-row mode)
+    text: List[int]
+    shape: IndexerShape
+    width: int
+    prefill_s: float
+    shared_bytes: int
+
+
+@torch.no_grad()
+def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variants: Sequence[str], steps: int,
+                next_n: int, width: int, shape: IndexerShape, prefilled=None) -> BatchRun:
+    """Prefill ``text`` once and lay out ``B`` requests (prefixes of it) for every variant.
+
+    ``prefilled``: a :func:`prefill_text` result for ``text[:max(context_lens)]`` whose
+    logits positions include every ``c_b - 1`` (reused across batch sizes; not modified).
+    """
+    H, Hkv, D = kv_geometry(model)
+    C = max(context_lens)
+    T = next_n + 1
+    layout = Layout(list(context_lens), len(variants), T, steps)
+    want = [c - 1 for c in context_lens]
+    if prefilled is None:
+        prefilled = (*prefill_text(model, text[:C], want), want)
+    K, V, logits, prefill_s, positions = prefilled
+    row_of = {p: i for i, p in enumerate(positions)}
+    first = [int(logits[row_of[p]].argmax()) for p in want]
+    pg = layout.page
+    states = {name: VariantState(name, v, layout.block_table(v), {}, {}, list(context_lens))
+              for v, name in enumerate(variants)}
+    pools: Dict[int, LayerPools] = {}
+    req = torch.cat([torch.full((c,), b, dtype=torch.int64) for b, c in enumerate(context_lens)])
+    pos = torch.cat([torch.arange(c, dtype=torch.int64) for c in context_lens])
+    in_shared = pos < torch.tensor(layout.shared_lens, dtype=torch.int64)[req]
+    own_req, own_pos = req[~in_shared], pos[~in_shared]  # each variant's private partial blocks
+    for layer in attention_layers(model):
+        proxy = ProxyIndexer(shape, H, Hkv, D, K[layer] if shape.dim < Hkv * D else None)
+        pool = LayerPools(torch.zeros(layout.num_blocks, pg, Hkv, D), torch.zeros(layout.num_blocks, pg, Hkv, D),
+                          IndexerKeyCache(torch.zeros(layout.num_blocks, pg, shape.dim)), proxy, layout)
+        index_keys = proxy.keys(K[layer])  # [C, Di]
+        table0 = states[variants[0]].block_table  # the shared blocks are the same in every table
+        shared_slots = slots_of(table0, req[in_shared], pos[in_shared], pg)
+        pool.flat(pool.k)[shared_slots] = K[layer][pos[in_shared]]
+        pool.flat(pool.v)[shared_slots] = V[layer][pos[in_shared]]
+        base: Optional[BlockDriftTracker] = None
+        for name, st in states.items():
+            slots = slots_of(st.block_table, own_req, own_pos, pg)
+            pool.flat(pool.k)[slots] = K[layer][own_pos]
+            pool.flat(pool.v)[slots] = V[layer][own_pos]
+            indexer = make_indexer(name, shape, width, layer, DEVICE)
+            st.indexers[layer] = indexer
+            st.trackers[layer] = None
+            if indexer is None:
+                continue
+            if base is None:  # the first indexer variant writes every key through write_keys, feeding drift
+                base = BlockDriftTracker(layout.batch, layout.max_blocks, shape.dim, block_size=pg)
+                indexer.write_keys(index_keys[pos], pool.index_cache, slots_of(st.block_table, req, pos, pg),
+                                   drift_tracker=base, positions=pos, request_ids=req)
+                st.trackers[layer] = base
+            else:  # the others: their private blocks, and the prefill's drift state
+                indexer.write_keys(index_keys[own_pos], pool.index_cache, slots)
+                st.trackers[layer] = base.clone()
+        pools[layer] = pool
+    shared_bytes = sum(p.shared(t).numel() * t.element_size() for p in pools.values()
+                       for t in (p.k, p.v, p.index_cache.k_cache))
+    shared_bytes += tensor_bytes(model.parameters())
+    cont = list(text[C:]) if next_n > 0 else None
+    return BatchRun(layout, pools, states, first, cont, list(text), shape, width, prefill_s, shared_bytes)
+
+
+def step_inputs(run: BatchRun, st: VariantState, tokens: torch.Tensor) -> Tuple[StepPlan, torch.Tensor, torch.Tensor]:
+    """The step's plan (the engine's per-step planning, once for all layers), ids, positions."""
+    L = run.layout
+    B, T = tokens.shape
+    lens = torch.tensor(st.lens, dtype=torch.int64)  # KV length before the step
+    positions = lens.unsqueeze(1) + torch.arange(T).unsqueeze(0)  # [B, T]
+    request_ids = torch.arange(B).repeat_interleave(T)
+    flat_pos = positions.reshape(-1)
+    slots = slots_of(st.block_table, request_ids, flat_pos, L.page)
+    row_lengths = positions + 1
+    shared_lens = torch.tensor(L.shared_lens, dtype=torch.int64)
+    empty = torch.empty(0, dtype=torch.int32)
+    fmha = IndexerFmhaParams(expanded_seq_lens=row_lengths.reshape(-1).to(torch.int32), topk_indices_offset=empty,
+                             ks=empty, ke=empty, slot_mapping=slots)
+    multi = T > 1
+    attn = IndexerAttentionInputs(
+        is_prefill=False, kv_cache_kernel_block_id_device=st.block_table,
+        decode_cu_seqlens_device=torch.arange(0, B * T + 1, T, dtype=torch.int32) if multi else None,
+        is_target_verify=multi,
+    )
+    plan = StepPlan("decode", run.pools, st, slots=slots, positions=flat_pos, request_ids=request_ids,
+                    row_lengths=row_lengths, shared_lens=shared_lens, fmha=fmha, attn=attn,
+                    weights=torch.full((B * T, run.shape.heads), 1.0 / run.shape.heads),
+                    counters=TopologyStepCounters())
+    if any(i is None for i in st.indexers.values()):
+        plan.dense_mask = dense_mask(shared_lens, row_lengths, L.shared_tokens, L.tail_tokens)
+    return plan, tokens, positions
+
+
+@torch.no_grad()
+def decode_step(model, run: BatchRun, st: VariantState, tokens: torch.Tensor, measure_memory: bool = False):
+    """One step of variant ``st`` on ``tokens [B, T]``: (log-probs ``[B, T, vocab]``, step record)."""
+    plan, ids, positions = step_inputs(run, st, tokens)
+
+    def forward():
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, position_ids=positions, use_cache=False, **{PLAN_KWARG: plan})
+        logp = torch.log_softmax(out.logits.to(torch.float32), dim=-1)
+        return logp, time.perf_counter() - t0
+
+    if measure_memory:
+        (logp, total), mem = measure_step_memory(forward)
+    else:
+        (logp, total), mem = forward(), None
+    timers = dict(plan.timers)
+    timers["rest"] = max(0.0, total - sum(timers[p] for p in PARTS if p != "rest"))
+    st.lens = [n + tokens.shape[1] for n in st.lens]
+    kv_after = sum(st.lens)
+    n_scan = sum(1 for i in st.indexers.values() if i is not None and i.scan)
+    n_dense = sum(1 for i in st.indexers.values() if i is None)
+    step = {"total_s": total, **{f"{p}_s": timers[p] for p in PARTS},
+            "attended_tokens": int(sum(int(a) for a in plan.attended)),  # over rows and layers
+            "sparse_attended_tokens": int(sum(int(a) for a in plan.sparse_attended)),
+            "dense_read_tokens": kv_after * n_dense,  # dense reads each request's KV once for its rows
+            "scanned_keys": kv_after * n_scan,  # the indexer reads each request's keys once
+            "step_peak_bytes": mem}
+    return logp, step
+
+
+def decode_batch(model, run: BatchRun, steps: int, on_step=None, measure_memory_step: Optional[int] = 0):
+    """Decode every variant ``steps`` steps, interleaved, dense first in each step.
+
+    One row per request (``continuation`` None): every variant is fed dense's greedy
+    token (teacher forcing), so its next-token distribution compares with dense's on the
+    same context. Multi-row: rows verify the text's continuation. Returns, per variant,
+    ``{"steps": [...], "argmax": [[B*T] per step], "top1": [[B*T] bool per step],
+    "kl": [[B*T] per step]}``.
+    """
+    L = run.layout
+    B, T = L.batch, L.rows_per_step
+    names = list(run.states)
+    assert names[0] == "dense", "dense decodes first in every step"
+    out = {n: {"steps": [], "argmax": [], "top1": [], "kl": []} for n in names}
+    current = torch.tensor(run.first_tokens).unsqueeze(1)  # [B, 1]
+    text = torch.tensor(run.text)
+    for i in range(steps):
+        if T == 1:
+            tokens = current
+        else:
+            start = torch.tensor(run.states["dense"].lens).unsqueeze(1)
+            tokens = text[start + torch.arange(T).unsqueeze(0)]  # [B, T] the continuation
+        dense_logp = None
+        for name in names:
+            st = run.states[name]
+            logp, step = decode_step(model, run, st, tokens, measure_memory=(i == measure_memory_step))
+            flat = logp.reshape(B * T, -1)
+            am = flat.argmax(dim=-1)
+            if name == "dense":
+                dense_logp, dense_am = flat, am
+            kl = (dense_logp.exp() * (dense_logp - flat)).sum(dim=-1).clamp(min=0.0)
+            rec = out[name]
+            rec["steps"].append(step)
+            rec["argmax"].append(am.tolist())
+            rec["top1"].append((am == dense_am).tolist())
+            rec["kl"].append(kl.tolist())
+        current = dense_am.view(B, T)[:, -1:].clone()
+        if on_step is not None:
+            on_step(i)
+    return out

@@ -1,0 +1,229 @@
+"""The e2e report: issue 16's targets, markdown tables, the step-vs-batch plot, merged runs.
+
+Plain dicts in, text or files out, no model: runs written by ``--json`` merge into one
+report (:func:`merge_runs`, ``--merge A.json B.json --out DIR``).
+Every field stays in the JSON; the tables keep the columns a reader decides on, one table
+per (proxy indexer, budget ``W``, rows per request), each under a line naming them, so
+tables of runs with different presets or ``--next-n`` concatenate unambiguously.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from benchmark.e2e.attention import PARTS
+
+# Issue 16's targets, printed PASS / FAIL / NOT RUN and never asserted (a shared 2-core
+# machine's timings are a measurement, not a test).
+TARGET_CONTEXT = 8192
+NOSCAN_BATCH, NOSCAN_MIN_SPEEDUP = 8, 1.3  # topology_only_noscan >= 1.3x dense
+COMPRESS_BATCHES, COMPRESS_MAX_RATIO = (1, 8), 1.03  # compress_sparse within 3% of learned
+NOSCAN_TARGET = f"topology_only_noscan >= {NOSCAN_MIN_SPEEDUP}x dense at context {TARGET_CONTEXT}, batch {NOSCAN_BATCH}"
+MARKDOWN_COLUMNS = ("context", "B", "rows", "variant", "ms/step (p90)", "tok/s", "x dense",
+                    "indexer / policy / attention / rest ms", "KV read", "top-1 agree", "mean KL", "peak MiB")
+PLOT_NAME = "e2e_step_vs_batch.png"
+
+Row = Dict[str, object]
+
+
+def run_key(row: Row) -> Tuple[object, ...]:
+    """What makes rows of different runs comparable: proxy indexer preset and shape, budget."""
+    return (row.get("indexer_preset"), row.get("indexer_heads"), row.get("indexer_dim"), row.get("budget"))
+
+
+def table_key(row: Row) -> Tuple[object, ...]:
+    """One markdown table per (proxy indexer, budget, rows per request)."""
+    return run_key(row) + (row["rows_per_request"],)
+
+
+def _target(name: str, context: Optional[int], batch: int, preset, value: Optional[float],
+            passed: Optional[bool]) -> Row:
+    return {"target": name, "context": context, "batch": batch, "indexer_preset": preset, "value": value,
+            "passed": passed}
+
+
+def targets(rows: List[Row]) -> List[Row]:
+    """Issue 16's targets over one-row-per-request rows; ``passed`` None: not run.
+
+    ``learned+topology_compress_sparse`` is compared with ``learned`` of the same proxy
+    indexer, budget, context and batch (so merged runs of several presets pair up right).
+    """
+    single = [r for r in rows if r["rows_per_request"] == 1]
+    out = []
+    for r in single:
+        if r["variant"] == "topology_only_noscan" and (r["context"], r["batch"]) == (TARGET_CONTEXT, NOSCAN_BATCH):
+            out.append(_target(NOSCAN_TARGET, TARGET_CONTEXT, NOSCAN_BATCH, r.get("indexer_preset"),
+                               r["speedup_vs_dense"], r["speedup_vs_dense"] >= NOSCAN_MIN_SPEEDUP))
+    if not out:
+        out.append(_target(NOSCAN_TARGET, TARGET_CONTEXT, NOSCAN_BATCH, None, None, None))
+    learned = {run_key(r) + (r["context"], r["batch"]): r for r in single if r["variant"] == "learned"}
+    for batch in COMPRESS_BATCHES:
+        name = f"learned+topology_compress_sparse within 3% of learned step time, batch {batch}"
+        found = False
+        for r in single:
+            base = learned.get(run_key(r) + (r["context"], batch))
+            if r["variant"] != "learned+topology_compress_sparse" or r["batch"] != batch or base is None:
+                continue
+            ratio = r["step_ms_median"] / base["step_ms_median"]
+            out.append(_target(name, r["context"], batch, r.get("indexer_preset"), ratio,
+                               ratio <= COMPRESS_MAX_RATIO))
+            found = True
+        if not found:
+            out.append(_target(name, TARGET_CONTEXT, batch, None, None, None))
+    return out
+
+
+def format_targets(items: List[Row]) -> str:
+    """One line per target: ``PASS``, ``FAIL`` or ``NOT RUN``, where it was measured, the value."""
+    lines = []
+    for t in items:
+        verdict = "NOT RUN" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
+        value = "-" if t["value"] is None else f"{t['value']:.2f}x"
+        if t["passed"] is not None and "within" in t["target"]:
+            value = f"step time ratio {t['value']:.3f}"
+        where = f"context {t['context']}" + (f", indexer {t['indexer_preset']}" if t.get("indexer_preset") else "")
+        lines.append(f"{verdict}: {t['target']} ({where}): {value}")
+    return "\n".join(lines)
+
+
+def _md_row(r: Row) -> List[str]:
+    mib = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.0f}"
+    parts = " / ".join(f"{r[f'{p}_ms']:.1f}" for p in PARTS)
+    return [str(r["context"]), str(r["batch"]), str(r["rows_per_request"]), r["variant"],
+            f"{r['step_ms_median']:.1f} ({r['step_ms_p90']:.1f})", f"{r['tokens_per_s']:.1f}",
+            f"{r['speedup_vs_dense']:.2f}", parts, f"{r['kv_bytes_vs_dense']:.2f}",
+            f"{r['top1_agreement']:.3f}", f"{r['mean_kl']:.4f}", mib]
+
+
+def table_heading(row: Row) -> str:
+    """The line above a table: proxy indexer preset and shape, budget, rows per request."""
+    preset, heads, dim, budget = run_key(row)
+    T = row["rows_per_request"]
+    shape = f" ({heads} head{'s' if heads != 1 else ''} x {dim} dims)" if heads is not None else ""
+    mode = ("1 row per request (greedy decode)" if T == 1 else
+            f"{T} rows per request (--next-n {T - 1}, speculative verification)")
+    return f"**Proxy indexer `{preset}`{shape}, W = {budget}, {mode}**"
+
+
+def format_table(rows: List[Row]) -> str:
+    """Markdown: one table per :func:`table_key`, in order of first appearance, each under
+    :func:`table_heading`; rows sorted by (context, batch), variants in run order. Only the
+    columns a reader decides on (every field stays in the JSON)."""
+    groups: Dict[Tuple[object, ...], List[Row]] = {}
+    for r in rows:
+        groups.setdefault(table_key(r), []).append(r)
+    blocks = []
+    for group in groups.values():
+        group = sorted(group, key=lambda r: (r["context"], r["batch"]))  # stable: keeps variant order
+        lines = [table_heading(group[0]), "", "| " + " | ".join(MARKDOWN_COLUMNS) + " |",
+                 "|" + "---|" * len(MARKDOWN_COLUMNS)]
+        lines += ["| " + " | ".join(_md_row(r)) + " |" for r in group]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def plot_step_vs_batch(rows: List[Row], path: Path, title: str = "Decode step time vs batch") -> Path:
+    """Median step time vs batch, one line per (variant, proxy indexer, budget), one panel
+    per (context, rows per request)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["context"], r["rows_per_request"]) for r in rows})
+    runs = list(dict.fromkeys(run_key(r) for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    for ax, (ctx, T) in zip(axes[0], panels):
+        here = [r for r in rows if (r["context"], r["rows_per_request"]) == (ctx, T)]
+        for key in runs:
+            for v in dict.fromkeys(r["variant"] for r in here if run_key(r) == key):
+                pts = sorted((r["batch"], r["step_ms_median"]) for r in here if run_key(r) == key and r["variant"] == v)
+                label = v if len(runs) == 1 else f"{v} [{key[0]}, W={key[3]}]"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (requests)")
+        ax.set_title(f"context {ctx}" + (f", {T} rows per request" if T > 1 else ""))
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("ms per decode step (median)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# Merging the JSON of several runs.
+# ---------------------------------------------------------------------------------------
+
+
+def row_identity(row: Row) -> Tuple[object, ...]:
+    return table_key(row) + (row["context"], row["batch"], row["variant"])
+
+
+def merge_runs(payloads: Sequence[Tuple[str, Row]]) -> Row:
+    """``[(source name, a --json payload), ...]`` -> ``{"runs", "rows", "targets"}``.
+
+    Rows keep every field (ratios stay those of their own run, where dense ran beside
+    them) plus ``source``. Raises ValueError for a payload without rows, or a row (same
+    proxy indexer, budget, rows per request, context, batch, variant) in two sources.
+    """
+    runs, rows, seen = [], [], {}
+    for source, payload in payloads:
+        missing = [k for k in ("rows", "indexer", "settings") if k not in payload]
+        if missing:
+            raise ValueError(f"{source}: expected a topology_kv_decode_e2e --json file, missing keys {missing}")
+        runs.append({"source": source, **{k: payload.get(k) for k in ("indexer", "settings", "environment", "model")}})
+        for r in payload["rows"]:
+            ident = row_identity(r)
+            if ident in seen:
+                raise ValueError(f"{source}: row {ident} is also in {seen[ident]}; merge runs of different "
+                                 "configurations")
+            seen[ident] = source
+            rows.append({**r, "source": source})
+    return {"runs": runs, "rows": rows, "targets": targets(rows)}
+
+
+def command_of(settings: Row) -> str:
+    """The command line a run's ``settings`` came from (flags left at their defaults omitted)."""
+    argv = ["python benchmark/topology_kv_decode_e2e.py"]
+    for key in ("contexts", "batches"):
+        argv.append(f"--{key} " + " ".join(str(x) for x in settings[key]))
+    for key in ("next_n", "new_tokens", "warmup", "budget", "indexer_preset", "indexer_heads", "indexer_dim",
+                "num_layers", "length_spread"):
+        value = settings.get(key)
+        if value is None or (key == "next_n" and value == 0) or (key == "length_spread" and value == 1 / 16):
+            continue
+        argv.append(f"--{key.replace('_', '-')} {value}")
+    return " ".join(argv)
+
+
+def format_merged(merged: Row, plot_name: Optional[str] = PLOT_NAME) -> str:
+    """Markdown of merged runs: one line per run (command, proxy indexer, machine), the
+    tables, the targets, the plot."""
+    lines = ["## End-to-end decode step", "", "Runs:", ""]
+    for run in merged["runs"]:
+        ind, env = run["indexer"], run.get("environment") or {}
+        lines.append(f"- `{run['source']}`: `{command_of(run['settings'])}`; proxy indexer `{ind['preset']}` "
+                     f"({ind['heads']} x {ind['dim']}, {ind['ratio_to_attention']:.3f} of attention's "
+                     f"multiply-adds per key); {env.get('threads', '?')} threads on {env.get('device', '?')}, "
+                     f"torch {env.get('torch', '?')}")
+    lines += ["", format_table(merged["rows"]), "", "```", format_targets(merged["targets"]), "```"]
+    if plot_name:
+        lines += ["", f"![step time vs batch]({plot_name})"]
+    return "\n".join(lines) + "\n"
+
+
+def write_merged(sources: Sequence[Tuple[str, Path]], out_dir: Path) -> Row:
+    """Merge ``--json`` files ``[(name shown in the report, path), ...]`` into ``out_dir``:
+    ``e2e.json``, ``e2e.md`` and the plot."""
+    merged = merge_runs([(name, json.loads(path.read_text())) for name, path in sources])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot_step_vs_batch(merged["rows"], out_dir / PLOT_NAME)
+    (out_dir / "e2e.json").write_text(json.dumps(merged, indent=2, default=str))
+    (out_dir / "e2e.md").write_text(format_merged(merged))
+    return merged

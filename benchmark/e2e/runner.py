@@ -1,0 +1,192 @@
+"""One run: load the model, prefill per context, decode every (context, batch), one row per variant.
+
+Per variant, context and batch (:func:`summarize`): step time (median, p90 over the steps
+after warm-up) split into indexer (proxy q/k projections, ``write_keys``, the scan and
+top-k), policy (the rest of ``_compute_topk``), attention (K/V write, gather, softmax) and
+the rest of the model; tokens/s (rows per second); KV bytes read per step (modelled);
+agreement with dense (top-1 agreement rate over every row and step, mean KL(dense ||
+variant) of the next-token distribution); peak memory (see
+:func:`benchmark.e2e.memory.measure_step_memory`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import statistics
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from benchmark.e2e.attention import ATTENTION_NAME, PARTS, register
+from benchmark.e2e.decode import BatchRun, build_batch, decode_batch, kv_geometry, prefill_text
+from benchmark.e2e.indexers import DSA_RATIO, IndexerShape, resolve_indexer_shape
+from benchmark.e2e.layout import request_lengths
+from benchmark.e2e.report import targets
+
+
+def kv_bytes_per_step(step: Dict[str, float], Hkv: int, D: int, Di: int) -> int:
+    """Modelled bytes read: fp32 K and V of every attended token (dense: once per request),
+    1-byte fp8 indexer keys once per request."""
+    return int((step["sparse_attended_tokens"] + step["dense_read_tokens"]) * Hkv * D * 8 + step["scanned_keys"] * Di)
+
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(math.ceil(q * len(s))) - 1))]
+
+
+def summarize(variant: str, run: BatchRun, rec: Dict[str, list], Hkv: int, D: int, warmup: int,
+              own_bytes: int) -> Dict[str, object]:
+    """One table row; timings over ``steps[warmup:]``, agreement over every step."""
+    L = run.layout
+    steps = rec["steps"][warmup:]
+    totals = [s["total_s"] * 1e3 for s in steps]
+    med = statistics.median(totals)
+    rows_per_step = L.batch * L.rows_per_step
+    top1 = [x for step in rec["top1"] for x in step]
+    kls = [x for step in rec["kl"] for x in step]
+    peaks = [s["step_peak_bytes"] for s in rec["steps"] if s["step_peak_bytes"] is not None]
+    step_peak = max(peaks) if peaks else None
+    B, T = L.batch, L.rows_per_step
+    first_div = []
+    for b in range(B):
+        idx = next((i for i, step in enumerate(rec["top1"]) if not all(step[b * T : (b + 1) * T])), None)
+        first_div.append(idx)
+    row = {
+        "variant": variant,
+        "context": max(L.context_lens),
+        "context_lens": list(L.context_lens),
+        "batch": B,
+        "rows_per_request": T,
+        "budget": run.width,
+        "indexer_preset": run.shape.preset,
+        "indexer_heads": run.shape.heads,
+        "indexer_dim": run.shape.dim,
+        "steps": len(steps),
+        "step_ms_median": med,
+        "step_ms_p90": _pct(totals, 0.9),
+        "tokens_per_s": rows_per_step * 1e3 / med,
+        "kv_bytes_per_step": statistics.median(kv_bytes_per_step(s, Hkv, D, run.shape.dim) for s in steps),
+        "top1_agreement": sum(top1) / len(top1),
+        "mean_kl": sum(kls) / len(kls),
+        "first_divergence": first_div,
+        "matches_dense": all(top1),
+        "step_peak_bytes": step_peak,
+        "own_state_bytes": own_bytes,
+        "shared_state_bytes": run.shared_bytes,
+        "peak_bytes": None if step_peak is None else run.shared_bytes + own_bytes + step_peak,
+        "memory_counter": "VmHWM - VmRSS around step 0 after malloc_trim, plus counted shared and own tensors",
+        "prefill_s": run.prefill_s,
+        "tokens": [step for step in rec["argmax"]],
+    }
+    for p in PARTS:
+        row[f"{p}_ms"] = statistics.median(s[f"{p}_s"] * 1e3 for s in steps)
+    return row
+
+
+
+def load_model(model_path: Optional[str], num_layers: Optional[int]):
+    """The quality harness's offline GGUF loader, switched to this module's attention."""
+    from benchmark.quality.model import load_gguf_model
+
+    loaded = load_gguf_model(model_path, num_layers=num_layers)
+    register()
+    loaded.model.set_attn_implementation(ATTENTION_NAME)
+    return loaded
+
+
+def prompt_tokens(loaded, novel: str, context: int, data_dir) -> List[int]:
+    from benchmark.quality.paths import default_data_dir, user_path
+    from benchmark.quality.text import ensure_austen_text
+
+    corpus = ensure_austen_text(default_data_dir() if data_dir is None else user_path(data_dir))
+    if novel not in corpus.texts:
+        raise SystemExit(f"--novel: expected one of {sorted(corpus.texts)}, got {novel!r}")
+    ids = loaded.tokenizer(corpus.texts[novel][: context * 8], add_special_tokens=False)["input_ids"]
+    if len(ids) < context:
+        ids = loaded.tokenizer(corpus.texts[novel], add_special_tokens=False)["input_ids"]
+    if len(ids) < context:
+        raise SystemExit(f"--contexts: {novel} has {len(ids)} tokens, fewer than {context}")
+    return ids[:context]
+
+
+def run_one(model, text: Sequence[int], context_lens: Sequence[int], variants: Sequence[str], steps: int,
+            next_n: int, width: int, shape: IndexerShape, warmup: int, on_step=None, log=None, prefilled=None):
+    """Prefill (unless ``prefilled``), lay out, decode and summarize one (context, batch, mode)."""
+    _, Hkv, D = kv_geometry(model)
+    run = build_batch(model, text, context_lens, variants, steps, next_n, width, shape, prefilled)
+    if log:
+        log(f"[e2e] context {max(context_lens)} batch {len(context_lens)} rows/request {next_n + 1}: "
+            f"dense prefill {run.prefill_s:.1f} s")
+    decoded = decode_batch(model, run, steps, on_step, measure_memory_step=0)
+    rows = [summarize(v, run, decoded[v], Hkv, D, warmup, run.states[v].own_bytes(run.pools)) for v in variants]
+    dense = rows[0]
+    for row in rows:
+        row["speedup_vs_dense"] = dense["step_ms_median"] / row["step_ms_median"]
+        row["kv_bytes_vs_dense"] = row["kv_bytes_per_step"] / dense["kv_bytes_per_step"]
+    return rows
+
+
+def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
+    """Every (context, batch) of ``args`` (the command line's namespace): the ``--json`` payload."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, args.num_layers)
+    model = loaded.model
+    H, Hkv, D = kv_geometry(model)
+    shape = resolve_indexer_shape(args.indexer_preset, args.indexer_heads, args.indexer_dim, H, Hkv, D)
+    log(f"[e2e] proxy indexer {shape.preset}: {shape.heads} heads x {shape.dim} dims = {shape.macs_per_key} "
+        f"multiply-adds per key, {shape.ratio_to_attention:.3f} of attention's {shape.attention_macs_per_key} "
+        f"(DSA: {DSA_RATIO:.3f})")
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is pinned in requirements.txt
+        tqdm = None
+    configs = [(c, b) for c in args.contexts for b in args.batches]
+    total = len(configs) * args.new_tokens
+    bar = None if (tqdm is None or args.no_progress) else tqdm(total=total, desc="decode e2e steps", file=sys.stderr)
+    rows: List[Dict[str, object]] = []
+    T = args.next_n + 1
+    prefilled = None
+    for context, batch in configs:
+        text = prompt_tokens(loaded, args.novel, context + (args.new_tokens * T if args.next_n else 0),
+                             args.data_dir)
+        lens = request_lengths(context, batch, args.length_spread)
+        if prefilled is None or prefilled[0] != context:  # one prefill per context, shared by the batches
+            want = sorted({c - 1 for b in args.batches for c in request_lengths(context, b, args.length_spread)})
+            prefilled = (context, (*prefill_text(model, text[:context], want), want))
+
+        def on_step(i, context=context, batch=batch):
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(context=context, batch=batch)
+
+        rows += run_one(model, text, lens, args.variants, args.new_tokens, args.next_n, args.budget, shape,
+                        args.warmup, on_step, log, prefilled[1])
+    if bar is not None:
+        bar.close()
+    return {
+        "environment": environment(),
+        "model": loaded.describe(),
+        "indexer": shape.describe(),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "merge", "out")},
+        "rows": rows,
+        "targets": targets(rows),
+    }
+
+
+def environment() -> Dict[str, object]:
+    return {
+        "device": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
+
