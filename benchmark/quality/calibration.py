@@ -1,0 +1,430 @@
+"""Offline calibration of per-layer structural budgets (``benchmark/topology_kv_calibrate.py``).
+
+For each full-attention layer, each budget ``W = context * b`` and each candidate (a
+structural share of ``W`` and a set of components: sink tokens, local blocks, witness
+blocks), how far that layer's attention output with ``topology_sparse_merge`` over the
+proxy indexer's rows lies from dense attention of the *same* layer input. Inputs are
+teacher-forced: one dense forward per text window, every layer measured on the dense
+model's own inputs, so one forward serves every candidate (no sparse forward at all).
+
+Error: the harness's output error (``cos_diff``, :func:`~benchmark.quality.sparse_attention.
+sparse_layer_attention`), averaged over the measured rows (rows longer than ``W``, every
+``metric_stride``-th), then over windows and contexts (each context weighs the same).
+Recall is recorded beside it. :func:`candidate_errors` computes the dense logits of a
+chunk once and reuses them for every candidate; the tests pin it to
+``sparse_layer_attention``'s metrics.
+
+Choice: per layer and budget the candidate of least error, kept only if it beats share 0
+(the learned rows as they are) by ``margin`` (relative; default 5%): structure must
+earn its place, so a layer is never calibrated worse than the learned indexer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from fractions import Fraction
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from benchmark.quality.index_rows import dense_rows, rows_to_mask
+from benchmark.quality.layer import DEFAULT_QUERY_CHUNK, LayerInputs
+from benchmark.quality.model import LoadedModel
+from benchmark.quality.policy_selectors import PolicySettings, make_policy_selector
+from benchmark.quality.selector_base import SelectorSettings, learned_rows_and_scores
+from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan
+from benchmark.quality.text import TextWindow
+from rtp_llm.models_py.modules.hybrid.topology_kv_profile import (
+    PROFILE_FORMAT,
+    PROFILE_VERSION,
+    LayerBudgetSetting,
+    ModelFingerprint,
+    budget_key,
+)
+
+MODE = "topology_sparse_merge"
+COMPONENTS = ("sinks", "local", "witnesses")
+DEFAULT_SHARES = (Fraction(1, 32), Fraction(1, 16), Fraction(1, 8), Fraction(1, 4))
+# Every non-empty set of components: 7 sets, so 1 + 4 x 7 = 29 candidates per layer and budget.
+DEFAULT_COMPONENT_SETS = tuple(
+    frozenset(c) for n in range(1, len(COMPONENTS) + 1) for c in itertools.combinations(COMPONENTS, n)
+)
+# Structure must cut the layer's mean output error by 5% to be kept: below that, window
+# to window noise of the measurement (a few windows of 2k tokens) could pick it by chance.
+DEFAULT_MARGIN = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One structural choice: ``share`` of ``W`` (0: the learned rows as they are) and components."""
+
+    share: Fraction
+    components: frozenset = frozenset()
+
+    @property
+    def name(self) -> str:
+        if self.share == 0:
+            return "learned"
+        return f"{budget_key(self.share)}:{'+'.join(c for c in COMPONENTS if c in self.components)}"
+
+    def setting(self, sink_tokens: int, local_blocks: int, witness_blocks: int) -> LayerBudgetSetting:
+        if self.share == 0:
+            return LayerBudgetSetting(0.0, 0, 0, 0)
+        on = self.components
+        return LayerBudgetSetting(
+            float(self.share),
+            sink_tokens if "sinks" in on else 0,
+            local_blocks if "local" in on else 0,
+            witness_blocks if "witnesses" in on else 0,
+        )
+
+
+def parse_components(text: str) -> Tuple[frozenset, ...]:
+    """``"sinks,local+witnesses"`` -> component sets; ``"all"`` = :data:`DEFAULT_COMPONENT_SETS`."""
+    if text.strip().lower() == "all":
+        return DEFAULT_COMPONENT_SETS
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        parts = frozenset(p.strip().lower() for p in item.split("+"))
+        unknown = sorted(parts - set(COMPONENTS))
+        if unknown or not parts:
+            raise ValueError(f"--components: expected sets of {list(COMPONENTS)} joined by '+', got {item!r}")
+        out.append(parts)
+    if not out:
+        raise ValueError(f"--components: expected at least one set, got {text!r}")
+    return tuple(dict.fromkeys(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationSettings:
+    """What to try. Component sizes are the engine's defaults (4 sink tokens, 2 + 2 blocks)."""
+
+    contexts: Tuple[int, ...]
+    budgets: Tuple[Fraction, ...]
+    shares: Tuple[Fraction, ...] = DEFAULT_SHARES
+    component_sets: Tuple[frozenset, ...] = DEFAULT_COMPONENT_SETS
+    block_size: int = 64
+    sink_tokens: int = 4
+    local_blocks: int = 2
+    witness_blocks: int = 2
+    margin: float = DEFAULT_MARGIN
+    metric_stride: int = 4
+    query_chunk: int = DEFAULT_QUERY_CHUNK
+    selector_settings: SelectorSettings = SelectorSettings()
+    witness_signal: str = "default"  # the harness's per-mode default: key drift for the merge mode
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"margin: expected a number in [0, 1), got {self.margin}")
+        if self.metric_stride < 1:
+            raise ValueError(f"metric_stride: expected >= 1, got {self.metric_stride}")
+        for s in self.shares:
+            if not 0 < s <= 1:
+                raise ValueError(f"shares: expected fractions in (0, 1], got {s}")
+        for c in self.contexts:
+            for b in self.budgets:
+                if int(c * b) < 1:
+                    raise ValueError(f"budgets: {budget_key(b)} of context {c} is less than one token")
+
+    def candidates(self) -> List[Candidate]:
+        out = [Candidate(Fraction(0))]
+        out += [Candidate(s, c) for s in sorted(set(self.shares)) for c in self.component_sets]
+        return out
+
+    def policy_settings(self, cand: Candidate) -> PolicySettings:
+        s = cand.setting(self.sink_tokens, self.local_blocks, self.witness_blocks)
+        return PolicySettings(
+            sink_blocks=0,
+            local_blocks=s.local_blocks,
+            witness_blocks=s.witness_blocks,
+            block_size=self.block_size,
+            max_structural_fraction=s.max_structural_fraction,
+            sink_tokens=s.sink_tokens,
+            witness_signal=self.witness_signal,
+        )
+
+
+def candidate_errors(
+    layer: LayerInputs, rows_by_candidate: Dict[str, torch.Tensor], width: int, metric_stride: int = 1
+) -> Dict[str, Tuple[float, float, int]]:
+    """Per candidate: (sum of ``cos_diff``, sum of recall, rows measured) over the layer's measured rows.
+
+    rows_by_candidate : name -> int ``[T, W]`` rows (engine convention). Measured rows are
+    those longer than ``width`` at ``t % metric_stride == 0`` (as ``sparse_layer_attention``
+    measures them); their dense logits are computed once per query chunk and shared by
+    every candidate. The definitions are ``sparse_layer_attention``'s.
+    """
+    sums = {name: [0.0, 0.0, 0] for name in rows_by_candidate}
+    masks = {name: rows_to_mask(rows, layer.key_length) for name, rows in rows_by_candidate.items()}  # [T, L]
+    for c0, c1, lc in layer.chunks():
+        t = torch.arange(c0, c1, device=layer.lengths.device)
+        measured = (layer.lengths[c0:c1] > width) & (t % metric_stride == 0)
+        if not bool(measured.any()):
+            continue
+        keep = torch.nonzero(measured).squeeze(1)  # harness code: a host sync is fine here
+        allowed = layer.allowed_chunk(c0, c1, lc)[keep]  # [Tk, lc]
+        q = layer.query[:, c0:c1][:, keep]  # [H, Tk, D]
+        logits = layer.head_dot(q, layer.key[:, :lc]) * layer.scaling  # [H, Tk, lc]
+        if layer.softcap is not None:
+            logits = torch.tanh(logits / layer.softcap) * layer.softcap
+        logits.masked_fill_(~allowed.unsqueeze(0), float("-inf"))
+        p = torch.softmax(logits, dim=-1)  # [H, Tk, lc]
+        a = layer.weighted_values(p).transpose(0, 1).flatten(1)  # [Tk, H*D] dense output
+        for name, mask in masks.items():
+            sel = mask[c0:c1, :lc][keep] & allowed  # [Tk, lc]
+            recall = (p * sel.unsqueeze(0)).sum(dim=-1).mean(dim=0)  # [Tk]
+            ps = torch.softmax(logits.masked_fill(~sel.unsqueeze(0), float("-inf")), dim=-1)
+            b = layer.weighted_values(ps).transpose(0, 1).flatten(1)  # [Tk, H*D] sparse output
+            cos_diff = 1.0 - 2.0 * (a * b).sum(-1) / ((a * a).sum(-1) + (b * b).sum(-1)).clamp(min=1e-30)
+            s = sums[name]
+            s[0] += float(cos_diff.sum())
+            s[1] += float(recall.sum())
+            s[2] += int(keep.numel())
+    return {name: (s[0], s[1], s[2]) for name, s in sums.items()}
+
+
+def candidate_rows(
+    layer: LayerInputs, width: int, settings: CalibrationSettings, candidates: Sequence[Candidate]
+) -> Dict[str, torch.Tensor]:
+    """Rows of every candidate: the proxy's top-W once, then the real policy per candidate."""
+    learned = learned_rows_and_scores(layer, width, settings.selector_settings)
+
+    def base_rows(_layer, _width):
+        return learned
+
+    out = {}
+    for cand in candidates:
+        if cand.share == 0:
+            out[cand.name] = learned[0]
+            continue
+        selector = make_policy_selector(MODE, settings.selector_settings, settings.policy_settings(cand), base_rows)
+        out[cand.name] = selector(layer, width, {})
+    return out
+
+
+@dataclasses.dataclass
+class Measurements:
+    """``sums[(layer, budget, context, candidate)] = [cos_diff sum, recall sum, rows]``."""
+
+    sums: Dict[Tuple[int, Fraction, int, str], List[float]] = dataclasses.field(default_factory=dict)
+
+    def add(self, layer: int, budget: Fraction, context: int, name: str, values: Tuple[float, float, int]) -> None:
+        s = self.sums.setdefault((layer, budget, context, name), [0.0, 0.0, 0])
+        for i, v in enumerate(values):
+            s[i] += v
+
+    def mean(self, layer: int, budget: Fraction, name: str, contexts: Sequence[int]) -> Tuple[float, float, int]:
+        """(mean cos_diff, mean recall, rows): each context's mean, then the mean over contexts."""
+        per = [self.sums.get((layer, budget, c, name)) for c in contexts]
+        per = [s for s in per if s and s[2]]
+        if not per:
+            return float("nan"), float("nan"), 0
+        return (
+            sum(s[0] / s[2] for s in per) / len(per),
+            sum(s[1] / s[2] for s in per) / len(per),
+            int(sum(s[2] for s in per)),
+        )
+
+
+def measure(
+    lm: LoadedModel,
+    windows: Dict[int, List[TextWindow]],
+    settings: CalibrationSettings,
+    progress: bool = True,
+) -> Measurements:
+    """One dense forward per window; every full-attention layer measured on its own dense inputs."""
+    from tqdm import tqdm
+
+    candidates = settings.candidates()
+    full_layers = frozenset(lm.full_attention_layers)
+    total = sum(len(w) for w in windows.values()) * len(full_layers) * len(settings.budgets)
+    bar = tqdm(total=total, disable=not progress, unit="layer-budget", dynamic_ncols=True)
+    out = Measurements()
+    for context in settings.contexts:
+        for wi, window in enumerate(windows[context]):
+
+            def spy(layer: LayerInputs, width: int, stats) -> torch.Tensor:
+                for budget in settings.budgets:
+                    w = max(1, int(context * budget))
+                    bar.set_postfix_str(f"ctx {context} win {wi} layer {layer.layer_idx} W {w}")
+                    rows = candidate_rows(layer, w, settings, candidates)
+                    for name, values in candidate_errors(layer, rows, w, settings.metric_stride).items():
+                        out.add(layer.layer_idx, budget, context, name, values)
+                    bar.update()
+                return dense_rows(layer.lengths, width)  # the forward itself stays dense
+
+            plan = SparsePlan(spy, context, full_layers, query_chunk=settings.query_chunk, check_rows=False)
+            ids = torch.tensor([window.token_ids], dtype=torch.int64)  # [1, T]
+            with torch.inference_mode():
+                lm.model.base_model(input_ids=ids, use_cache=False, **{PLAN_KWARG: plan})
+    bar.close()
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerChoice:
+    """The chosen candidate of one layer and budget, with the learned rows' error beside it."""
+
+    candidate: Candidate
+    error: float
+    learned_error: float
+    best_structural: Optional[Candidate]
+    best_structural_error: float
+
+
+def choose(measurements: Measurements, layers: Sequence[int], settings: CalibrationSettings) -> Dict[int, Dict[Fraction, LayerChoice]]:
+    """Per layer and budget: the least-error candidate if it beats share 0 by ``margin``, else share 0."""
+    candidates = settings.candidates()
+    out: Dict[int, Dict[Fraction, LayerChoice]] = {}
+    for layer in layers:
+        for budget in settings.budgets:
+            learned = measurements.mean(layer, budget, "learned", settings.contexts)[0]
+            structural = [(measurements.mean(layer, budget, c.name, settings.contexts)[0], c) for c in candidates[1:]]
+            structural = [(e, c) for e, c in structural if e == e]  # drop unmeasured (NaN)
+            best_e, best = min(structural, key=lambda ec: ec[0], default=(float("nan"), None))
+            # No measured row (every row dense at this budget) keeps the learned rows.
+            keep = best is not None and learned == learned and best_e < learned * (1.0 - settings.margin)
+            out.setdefault(layer, {})[budget] = LayerChoice(
+                candidate=best if keep else candidates[0],
+                error=best_e if keep else learned,
+                learned_error=learned,
+                best_structural=best,
+                best_structural_error=best_e,
+            )
+    return out
+
+
+def model_fingerprint(lm: LoadedModel) -> ModelFingerprint:
+    name = lm.gguf_path.name if lm.gguf_path is not None else type(lm.model).__name__
+    return ModelFingerprint(lm.gguf_sha256, name, lm.model.config.num_hidden_layers, tuple(lm.full_attention_layers))
+
+
+def build_profile(
+    lm: LoadedModel,
+    measurements: Measurements,
+    choices: Dict[int, Dict[Fraction, LayerChoice]],
+    settings: CalibrationSettings,
+    *,
+    text: Dict[str, str],
+    command: str,
+    extra_settings: Optional[Dict[str, object]] = None,
+) -> Dict[str, object]:
+    """The profile JSON (docs/profile.md), with every measurement under ``measurements``."""
+    candidates = settings.candidates()
+    layers = {}
+    measured = {}
+    for layer, per_budget in choices.items():
+        layers[str(layer)] = {
+            budget_key(b): c.candidate.setting(settings.sink_tokens, settings.local_blocks, settings.witness_blocks).to_json()
+            for b, c in per_budget.items()
+        }
+        measured[str(layer)] = {}
+        for b, c in per_budget.items():
+            cells = {}
+            for cand in candidates:
+                err, recall, rows = measurements.mean(layer, b, cand.name, settings.contexts)
+                per_context = {}
+                for ctx in settings.contexts:
+                    s = measurements.sums.get((layer, b, ctx, cand.name))
+                    per_context[str(ctx)] = None if not s or not s[2] else s[0] / s[2]
+                cells[cand.name] = {"cos_diff": err, "recall": recall, "rows": rows, "cos_diff_by_context": per_context}
+            measured[str(layer)][budget_key(b)] = {
+                "chosen": c.candidate.name,
+                "learned_cos_diff": c.learned_error,
+                "chosen_cos_diff": c.error,
+                "best_structural": None if c.best_structural is None else c.best_structural.name,
+                "candidates": cells,
+            }
+    return {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "model": model_fingerprint(lm).to_json(),
+        "text": dict(text),
+        "settings": {
+            "policy": MODE,
+            "block_size": settings.block_size,
+            "contexts": list(settings.contexts),
+            "budgets": [budget_key(b) for b in settings.budgets],
+            "shares": ["0"] + [budget_key(s) for s in sorted(set(settings.shares))],
+            "components": ["+".join(c for c in COMPONENTS if c in cs) for cs in settings.component_sets],
+            "component_sizes": {"sink_tokens": settings.sink_tokens, "local_blocks": settings.local_blocks,
+                                "witness_blocks": settings.witness_blocks},
+            "error": "cos_diff (1 - 2<a,b>/(|a|^2+|b|^2) of the layer's dense and sparse outputs)",
+            "margin": settings.margin,
+            "metric_stride": settings.metric_stride,
+            "witness_signal": settings.witness_signal,
+            "indexer": "proxy (benchmark.quality.selector_base.learned_rows_and_scores), fp8 "
+                       + ("on" if settings.selector_settings.fp8 else "off"),
+            **(extra_settings or {}),
+        },
+        "command": command,
+        "layers": layers,
+        "measurements": measured,
+    }
+
+
+def format_table(profile: Dict[str, object]) -> str:
+    """Markdown: layers x budgets, the chosen candidate and its error change vs the learned rows."""
+    budgets = profile["settings"]["budgets"]
+    lines = ["| layer | " + " | ".join(f"W = {b}" for b in budgets) + " |",
+             "|---|" + "---|" * len(budgets)]
+    for layer in sorted(profile["measurements"], key=int):
+        cells = []
+        for b in budgets:
+            m = profile["measurements"][layer][b]
+            learned, chosen = m["learned_cos_diff"], m["chosen_cos_diff"]
+            change = "" if m["chosen"] == "learned" or not learned else f" ({(chosen / learned - 1) * 100:+.0f}%)"
+            cells.append(f"{m['chosen']}{change}")
+        lines.append(f"| {layer} | " + " | ".join(cells) + " |")
+    kept = sum(1 for layer in profile["layers"].values() for s in layer.values() if s["max_structural_fraction"] > 0)
+    total = sum(len(layer) for layer in profile["layers"].values())
+    lines.append(f"\nstructure kept in {kept} of {total} (layer, budget) entries; the rest skip the policy")
+    return "\n".join(lines)
+
+
+def plot_shares(profile: Dict[str, object], path) -> None:
+    """Heat map layers x budgets of the structural share kept (0 = the learned rows)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = profile["settings"]["budgets"]
+    layers = sorted(profile["layers"], key=int)
+    grid = [[profile["layers"][l][b]["max_structural_fraction"] for b in budgets] for l in layers]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(budgets), 1.2 + 0.28 * len(layers)))
+    im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=max(0.25, max(max(r) for r in grid)))
+    ax.set_xticks(range(len(budgets)), [f"W = {b}" for b in budgets])
+    ax.set_yticks(range(len(layers)), layers)
+    ax.set_ylabel("full-attention layer")
+    for i, l in enumerate(layers):
+        for j, b in enumerate(budgets):
+            chosen = profile["measurements"][l][b]["chosen"]
+            ax.text(j, i, "-" if chosen == "learned" else chosen.split(":")[1].replace("witnesses", "w"),
+                    ha="center", va="center", fontsize=6, color="white")
+    fig.colorbar(im, ax=ax, label="structural share of W kept")
+    ax.set_title(f"{profile['model']['name']}: calibrated structure", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def calibrate(
+    lm: LoadedModel,
+    windows: Dict[int, List[TextWindow]],
+    settings: CalibrationSettings,
+    *,
+    text: Dict[str, str],
+    command: str,
+    progress: bool = True,
+    extra_settings: Optional[Dict[str, object]] = None,
+) -> Dict[str, object]:
+    """Measure, choose, and return the profile JSON (with ``seconds`` in its settings)."""
+    start = time.perf_counter()
+    measurements = measure(lm, windows, settings, progress=progress)
+    choices = choose(measurements, lm.full_attention_layers, settings)
+    extra = dict(extra_settings or {})
+    extra["seconds"] = round(time.perf_counter() - start, 1)
+    return build_profile(lm, measurements, choices, settings, text=text, command=command, extra_settings=extra)

@@ -1,0 +1,177 @@
+"""Tests of the calibration (``//benchmark:topology_kv_calibrate_test``): the shared-logits
+error against the harness's metrics, the choice rule, and a whole calibration of a tiny
+random model into a profile that the engine's loader and ``Indexer`` accept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from fractions import Fraction
+
+import pytest
+import torch
+
+from benchmark.quality.calibration import (
+    Candidate,
+    CalibrationSettings,
+    Measurements,
+    calibrate,
+    candidate_errors,
+    candidate_rows,
+    choose,
+    format_table,
+    model_fingerprint,
+    parse_components,
+    plot_shares,
+)
+from benchmark.quality.metrics import LayerMetrics
+from benchmark.quality.model import LoadedModel, full_attention_layers
+from benchmark.quality.sparse_attention import sparse_layer_attention
+from benchmark.quality.synthetic import synthetic_layer
+from benchmark.quality.text import sample_windows
+from rtp_llm.models_py.modules.hybrid.indexer import Indexer
+from rtp_llm.models_py.modules.hybrid.topology_kv_config import IndexerTopologySettings
+from rtp_llm.models_py.modules.hybrid.topology_kv_profile import load_topology_profile
+
+# Width 37: long rows (>37) and dense ones in the first chunk of 64; T = 150: a partial chunk.
+WIDTH = 37
+SMALL = CalibrationSettings(contexts=(150,), budgets=(Fraction(1, 4),), shares=(Fraction(1, 8), Fraction(1, 4)),
+                            component_sets=parse_components("sinks,local,sinks+local+witnesses"), block_size=8,
+                            sink_tokens=4, local_blocks=1, witness_blocks=1)
+
+
+def _gen(seed):
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("stride", [1, 4])
+def test_shared_logits_errors_equal_the_harness_metrics(softcap, stride):
+    layer = dataclasses.replace(synthetic_layer(seed=3, layer_idx=2), softcap=softcap)
+    rows = candidate_rows(layer, WIDTH, SMALL, SMALL.candidates())
+    assert len(rows) == 1 + 2 * 3
+    errors = candidate_errors(layer, rows, WIDTH, stride)
+    for name, r in rows.items():
+        metrics = LayerMetrics()
+        sparse_layer_attention(layer, r, WIDTH, metrics, 4, stride)
+        cos = torch.cat(metrics.values[2]["cos_diff"]).double()
+        recall = torch.cat(metrics.values[2]["recall"]).double()
+        cos_sum, recall_sum, n = errors[name]
+        assert n == cos.numel() > 0
+        torch.testing.assert_close(cos_sum, float(cos.sum()), atol=1e-4, rtol=1e-4, msg=name)
+        torch.testing.assert_close(recall_sum, float(recall.sum()), atol=1e-4, rtol=1e-4, msg=name)
+    assert errors["learned"] != errors["1/4:sinks+local+witnesses"]
+
+
+def _measurements(learned, structural):
+    m = Measurements()
+    m.add(0, Fraction(1, 4), 150, "learned", (learned * 10, 9.0, 10))
+    m.add(0, Fraction(1, 4), 150, "1/8:sinks", (structural * 10, 9.5, 10))
+    return m
+
+
+# (structural error / learned error, kept?): the margin is 5%.
+MARGIN_CASES = [(0.90, True), (0.96, False), (1.0, False), (1.2, False)]
+
+
+@pytest.mark.parametrize("ratio, kept", MARGIN_CASES)
+def test_structure_is_kept_only_past_the_margin(ratio, kept):
+    settings = dataclasses.replace(SMALL, component_sets=parse_components("sinks"), shares=(Fraction(1, 8),))
+    choice = choose(_measurements(0.01, 0.01 * ratio), [0], settings)[0][Fraction(1, 4)]
+    assert choice.candidate == (Candidate(Fraction(1, 8), frozenset({"sinks"})) if kept else Candidate(Fraction(0)))
+    assert choice.learned_error == pytest.approx(0.01)
+
+
+def test_unmeasured_budget_keeps_the_learned_rows():
+    settings = dataclasses.replace(SMALL, component_sets=parse_components("sinks"), shares=(Fraction(1, 8),))
+    assert choose(Measurements(), [0], settings)[0][Fraction(1, 4)].candidate.share == 0
+
+
+@pytest.mark.parametrize("text", ["sinks,bogus", "", "sinks+"])
+def test_bad_components(text):
+    with pytest.raises(ValueError, match="--components"):
+        parse_components(text)
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(ValueError, match="margin: expected a number in \\[0, 1\\), got 1.5"):
+        dataclasses.replace(SMALL, margin=1.5)
+    with pytest.raises(ValueError, match="budgets: 1/256 of context 150 is less than one token"):
+        dataclasses.replace(SMALL, budgets=(Fraction(1, 256),))
+
+
+def _tiny_model():
+    """Random Qwen2 with a sliding layer between two full ones (as test_topology_kv_quality's)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from benchmark.quality import sparse_attention
+
+    sparse_attention.register()
+    cfg = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=32, use_sliding_window=True,
+                      sliding_window=16, max_position_embeddings=512,
+                      layer_types=["full_attention", "sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=sparse_attention.ATTENTION_NAME).eval()
+    return LoadedModel(model=model, tokenizer=None, gguf_path=None, gguf_sha256="0f" * 32,
+                       full_attention_layers=full_attention_layers(model.config))
+
+
+def test_calibrating_a_tiny_model_gives_a_profile_serving_accepts(tmp_path):
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (1500,), generator=_gen(4)).tolist()
+    settings = dataclasses.replace(SMALL, contexts=(128, 192), budgets=(Fraction(1, 8), Fraction(1, 4)), margin=0.0)
+    windows = {c: sample_windows(tokens, "rand", c, 2, seed=0) for c in settings.contexts}
+    profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
+                        progress=False)
+    assert set(profile["layers"]) == {"0", "2"} and profile["settings"]["budgets"] == ["1/8", "1/4"]
+    for layer, per_budget in profile["measurements"].items():
+        for budget, m in per_budget.items():
+            cells = m["candidates"]
+            assert set(cells) == {c.name for c in settings.candidates()}
+            assert all(c["rows"] > 0 and 0 <= c["recall"] <= 1 + 1e-6 for c in cells.values())
+            best = min(cells, key=lambda n: cells[n]["cos_diff"])
+            # margin 0: the least error wins, unless that is the learned rows themselves
+            assert m["chosen"] == best or cells[m["chosen"]]["cos_diff"] == cells[best]["cos_diff"]
+            setting = profile["layers"][layer][budget]
+            assert (setting["max_structural_fraction"] == 0) == (m["chosen"] == "learned")
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    loaded = load_topology_profile(path, model_fingerprint=model_fingerprint(lm))
+    assert loaded.block_size == 8 and loaded.reference_context == 192
+    # The engine takes each layer's entry (block size 8 here, as calibrated).
+    for layer in (0, 2):
+        indexer = Indexer(4, 32, 48, 8, layer_idx=layer, topology=IndexerTopologySettings.from_env({}, block_size=8),
+                          topology_profile=loaded)  # 48 / 192 = 1/4
+        entry = profile["layers"][str(layer)]["1/4"]
+        assert indexer.topology.enabled == (entry["max_structural_fraction"] > 0)
+        if indexer.topology.enabled:
+            assert indexer.topology.policy.max_structural_fraction == entry["max_structural_fraction"]
+            assert indexer.topology.policy.local_blocks == entry["local_blocks"]
+    table = format_table(profile)
+    assert table.splitlines()[0] == "| layer | W = 1/8 | W = 1/4 |" and "| 2 |" in table
+    plot_shares(profile, tmp_path / "share_kept.png")
+    assert (tmp_path / "share_kept.png").stat().st_size > 1000
+
+
+def test_the_default_margin_never_keeps_structure_that_loses(tmp_path):
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (800,), generator=_gen(5)).tolist()
+    settings = dataclasses.replace(SMALL, contexts=(128,))
+    windows = {128: sample_windows(tokens, "rand", 128, 1, seed=0)}
+    profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
+                        progress=False)
+    for per_budget in profile["measurements"].values():
+        for m in per_budget.values():
+            assert m["chosen_cos_diff"] <= m["learned_cos_diff"] * (1 - settings.margin) or m["chosen"] == "learned"
+
+
+def test_cli_rejects_bad_flags_before_loading(capsys):
+    from benchmark import topology_kv_calibrate
+
+    assert topology_kv_calibrate.main(["--components", "sinks,nope"]) == 2
+    assert "--components" in capsys.readouterr().err
+    assert topology_kv_calibrate.main(["--margin", "2"]) == 2
+    assert "margin" in capsys.readouterr().err
+    assert topology_kv_calibrate.main(["--budgets", "3/2"]) == 2
