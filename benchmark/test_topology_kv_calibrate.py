@@ -175,3 +175,29 @@ def test_cli_rejects_bad_flags_before_loading(capsys):
     assert topology_kv_calibrate.main(["--margin", "2"]) == 2
     assert "margin" in capsys.readouterr().err
     assert topology_kv_calibrate.main(["--budgets", "3/2"]) == 2
+
+
+def test_profile_selector_takes_each_layers_entry():
+    from benchmark.quality.policy_selectors import PolicySettings, make_policy_selector
+    from benchmark.quality.profile_selectors import make_profile_selector
+    from benchmark.quality.selector_base import SelectorSettings, learned_rows_and_scores
+    from rtp_llm.models_py.modules.hybrid.topology_kv_profile import ModelFingerprint, parse_topology_profile
+
+    sinks = {"max_structural_fraction": 0.25, "sink_tokens": 4, "local_blocks": 0, "witness_blocks": 0}
+    skip = {"max_structural_fraction": 0, "sink_tokens": 0, "local_blocks": 0, "witness_blocks": 0}
+    fingerprint = ModelFingerprint("00" * 32, "synthetic", 3, (0, 2))
+    profile = parse_topology_profile({
+        "format": "rtp_llm.topology_kv_profile", "version": 1, "model": fingerprint.to_json(),
+        "text": {"name": "t", "sha256": "0"}, "command": "test",
+        "settings": {"policy": "topology_sparse_merge", "block_size": 8, "contexts": [150], "budgets": ["1/4"]},
+        "layers": {"0": {"1/4": skip}, "2": {"1/4": sinks}},
+    }, model_fingerprint=fingerprint)
+    selector = make_profile_selector(profile, SelectorSettings())
+    skipped, kept = synthetic_layer(seed=6, layer_idx=0), synthetic_layer(seed=6, layer_idx=2)
+    assert torch.equal(selector(skipped, WIDTH, {}), learned_rows_and_scores(skipped, WIDTH, SelectorSettings())[0])
+    expected = make_policy_selector("topology_sparse_merge", SelectorSettings(),
+                                    PolicySettings(block_size=8, sink_blocks=0, **sinks))(kept, WIDTH, {})
+    out = selector(kept, WIDTH, {})
+    assert torch.equal(out, expected)
+    assert not torch.equal(out, learned_rows_and_scores(kept, WIDTH, SelectorSettings())[0])
+    assert bool((out[WIDTH:, :] == 0).any(dim=1).all()), "long rows keep sink token 0"

@@ -1,0 +1,48 @@
+"""The policy selector with per-layer settings from a profile (docs/profile.md).
+
+``make_profile_selector(profile, ...)`` behaves as serving does with
+``RTP_LLM_TOPOLOGY_KV_PROFILE``: each full-attention layer takes its own entry at the
+profile budget nearest ``W / L`` (``L`` the window's key length; exact for a grid run at the
+calibrated budgets), and a skipped layer (share 0) returns the proxy indexer's rows as they
+are. Not yet wired into the harness's ``--selectors`` (a ``--profile FILE`` flag is the
+remaining step, docs/profile.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+from typing import Dict, Tuple
+
+import torch
+
+from benchmark.quality.layer import LayerInputs
+from benchmark.quality.policy_selectors import PolicySettings, make_policy_selector
+from benchmark.quality.selector_base import Selector, SelectorSettings, learned_rows_and_scores
+from rtp_llm.models_py.modules.hybrid.topology_kv_profile import TopologyKVProfile
+
+
+def make_profile_selector(
+    profile: TopologyKVProfile, settings: SelectorSettings, policy_settings: PolicySettings = None
+) -> Selector:
+    """Selector running ``profile.policy`` with each layer's profile entry (see module doc).
+
+    ``policy_settings`` gives what the profile does not fix (witness signal, budget rule);
+    block size and the four structural fields come from the profile.
+    """
+    base = policy_settings or PolicySettings()
+    mode = profile.policy.value
+    cache: Dict[Tuple[int, Fraction], Selector] = {}
+
+    def select_profile(layer: LayerInputs, width: int, stats: Dict[str, float]) -> torch.Tensor:
+        budget = profile.pick_budget(max(1, round(width * profile.reference_context / layer.key_length)))
+        entry = profile.setting(layer.layer_idx, budget)
+        if entry is None or entry.skipped:
+            return learned_rows_and_scores(layer, width, settings)[0]
+        key = (layer.layer_idx, budget)
+        if key not in cache:
+            ps = dataclasses.replace(base, block_size=profile.block_size, sink_blocks=0, **entry.to_json())
+            cache[key] = make_policy_selector(mode, settings, ps)
+        return cache[key](layer, width, stats)
+
+    return select_profile
