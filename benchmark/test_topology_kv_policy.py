@@ -119,7 +119,9 @@ def test_sparse_merge_witness_by_drift_and_offsets():
     cfg = _cfg(MERGE, sink_blocks=0, local_blocks=0, witness_blocks=1, max_structural_fraction=1.0)
     x = _t([[100 + t for t in (1, 2, 3, 4)] + [-1] * 4])
     res = apply_topology_kv_policy(x, _t([40]), config=cfg, topk_indices_offset=_t([100]), block_drift_scores=drift)
-    assert res.indices.tolist() == [[101, 102, 103, 104, 120, 121, 122, 123]]
+    # Witness tokens newest first (issue 14: a cut block keeps its newest tokens; before,
+    # ascending: 120, 121, 122, 123). Same tokens, other order.
+    assert res.indices.tolist() == [[101, 102, 103, 104, 123, 122, 121, 120]]
     assert res.counters.to_dict()["learned_evicted_tokens"] == 0  # free space, no eviction
 
 
@@ -131,13 +133,58 @@ def test_topology_only_fills_min_w_length_in_priority_order():
     x = _t([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], _engine_row(7, 10)])
     res = apply_topology_kv_policy(x, _t([40, 7]), config=cfg, block_drift_scores=drift)
     # Long row: sink 0..3, local 39..36 (most recent first), then witness block 4
-    # (16..19) truncated to 2.
-    assert res.indices[0].tolist() == [0, 1, 2, 3, 39, 38, 37, 36, 16, 17]
+    # (16..19) truncated to its newest 2 (issue 14; it kept the oldest, 16, 17, before).
+    assert res.indices[0].tolist() == [0, 1, 2, 3, 39, 38, 37, 36, 19, 18]
     # Short row (7 <= W): every token, in priority order (sink 0..3, local 6..4).
     assert res.indices[1].tolist() == [0, 1, 2, 3, 6, 5, 4, -1, -1, -1]
     c = res.counters.to_dict()
     assert c["selected_tokens"] == 17 and c["learned_kept_tokens"] == 7
     assert c["structural_injected_tokens"] == 10 and c["learned_evicted_tokens"] == 10
+
+
+def test_topology_only_engine_defaults_with_recency_is_locality_hand_computed():
+    # Engine defaults: 4 token sinks, 2 local blocks, 64-token blocks; no drift scores, so
+    # the witnesses are the most recent blocks. Length 200 = blocks 0..3, the last holding
+    # 192..199. W = 100: sinks 0..3; locals = blocks 2, 3 = 199..128 (72 tokens); 24 more
+    # from witness block 1 (64..127), which does not fit whole: its *newest* 24 tokens,
+    # 127..104, so the row is plain locality (before issue 14 it took 64..87, the oldest).
+    cfg = TopologyKVPolicyConfig(policy=ONLY)
+    x = _t([_engine_row(200, 100, chosen=range(100))])
+    res = apply_topology_kv_policy(x, _t([200]), config=cfg)
+    assert res.indices.tolist() == [[0, 1, 2, 3] + list(range(199, 103, -1))]
+    assert res.indices.tolist() == [ref.reference_locality_row(200, 100, 4)]
+
+
+# Lengths that land on partly filled 64-token blocks (27, 61, 1541, 2047: Quest's page
+# tests), on block edges (64, 128, 2048) and below the 4 sink tokens (1, 3).
+LOCALITY_LENGTHS = [1, 3, 4, 5, 27, 61, 63, 64, 65, 127, 128, 129, 1541, 2047, 2048, 2049]
+# Widths below the sinks (1, 3), at one block (64) and at the engine's 2048.
+LOCALITY_WIDTHS = [1, 3, 4, 5, 63, 64, 65, 100, 256, 2048]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.one_of(st.sampled_from(LOCALITY_LENGTHS), st.integers(1, 5000)), min_size=1, max_size=4),
+    width=st.one_of(st.sampled_from(LOCALITY_WIDTHS), st.integers(1, 2100)),
+    wide=st.booleans(),  # W >= every length: the rows keep every token
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+)
+def test_topology_only_engine_defaults_with_recency_is_locality(lengths, width, wide, dtype):
+    """``topology_only`` at the engine defaults without drift scores == sinks + most recent tokens."""
+    if wide:
+        width = max(lengths) + width % 7
+    cfg = TopologyKVPolicyConfig(policy=ONLY)
+    x = _t([_engine_row(n, width, chosen=range(width)) for n in lengths], dtype)
+    res = apply_topology_kv_policy(x, _t(lengths), config=cfg)
+    want = [ref.reference_locality_row(n, width, cfg.sink_tokens) for n in lengths]
+    assert res.indices.cpu().tolist() == want, (lengths, width)
+    assert res.counters.to_dict()["selected_tokens"] == sum(min(n, width) for n in lengths)
+    ref_out, _, _ = ref.reference_topology_policy(
+        x.cpu(), _t(lengths).cpu(), mode=ONLY.value, sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks,
+        witness_blocks=cfg.witness_blocks, block_size=cfg.block_size,
+        max_structural_fraction=cfg.max_structural_fraction, sink_tokens=cfg.sink_tokens,
+    )
+    assert ref_out.tolist() == want, "the plain reference must select locality too"
 
 
 def test_token_sinks_hand_computed():
@@ -148,9 +195,10 @@ def test_token_sinks_hand_computed():
     res = apply_topology_kv_policy(x, _t([40]), config=cfg)
     assert res.indices.tolist() == [[10, 11, 12, 13, 0, 1, 39, 38]]
     # Block 0 holds the sinks in part; its other tokens (2, 3) may still be a witness.
-    # Length 6: sinks 0, 1; local block 1 = 5, 4 (5 present); witness block 0 = 2, 3.
+    # Length 6: sinks 0, 1; local block 1 = 5, 4 (5 present); witness block 0 = 3, 2
+    # (newest first since issue 14; it was 2, 3).
     res = apply_topology_kv_policy(_t([[5, -1, -1, -1, -1, -1, -1, -1]]), _t([6]), config=cfg)
-    assert res.indices.tolist() == [[5, 0, 1, 4, 2, -1, -1, -1]]  # cap 4 stops before 3
+    assert res.indices.tolist() == [[5, 0, 1, 4, 3, -1, -1, -1]]  # cap 4 stops before 2
 
 
 def test_present_local_tokens_never_keep_out_missing_sinks():

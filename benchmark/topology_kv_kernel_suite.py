@@ -26,6 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmark.topology_kv_reference import reference_locality_row
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import (
     COUNTER_NAMES,
     TopologyKVPolicyMode,
@@ -40,6 +41,7 @@ __all__ = [
     "test_sparse_merge_evicts_lowest_scores_ties_to_later_entry",
     "test_sparse_merge_witness_by_drift_and_offsets",
     "test_topology_only_fills_min_w_length_in_priority_order",
+    "test_topology_only_engine_defaults_with_recency_is_locality",
     "test_token_sinks",
     "test_present_local_tokens_never_keep_out_missing_sinks",
     "test_scaled_budget",
@@ -208,7 +210,7 @@ def test_sparse_merge_witness_by_drift_and_offsets(kernel):
     drift[0, 5] = 3.0
     got = check_equal(kernel, _t([[101, 102, 103, 104, -1, -1, -1, -1]]), _t([40]), offsets=_t([100]), drift=drift,
                       **_kw(MERGE, 8, sink_blocks=0, local_blocks=0, witness_blocks=1, frac=1.0))
-    assert got.tolist() == [[101, 102, 103, 104, 120, 121, 122, 123]]
+    assert got.tolist() == [[101, 102, 103, 104, 123, 122, 121, 120]]  # witness tokens newest first
 
 
 def test_topology_only_fills_min_w_length_in_priority_order(kernel):
@@ -218,11 +220,23 @@ def test_topology_only_fills_min_w_length_in_priority_order(kernel):
     x = _t([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [0, 1, 2, 3, 4, 5, 6, -1, -1, -1]])
     kw = _kw(ONLY, 10, local_blocks=1, witness_blocks=0)
     got = check_equal(kernel, x, _t([40, 7]), drift=drift, **kw)
-    assert got.tolist() == [[0, 1, 2, 3, 39, 38, 37, 36, 16, 17], [0, 1, 2, 3, 6, 5, 4, -1, -1, -1]]
+    # The cut witness block 4 (16..19) keeps its newest tokens (issue 14; before: 16, 17).
+    assert got.tolist() == [[0, 1, 2, 3, 39, 38, 37, 36, 19, 18], [0, 1, 2, 3, 6, 5, 4, -1, -1, -1]]
     _, counters, _ = run(kernel, x, _t([40, 7]), None, drift, None, None, **kw)
     c = dict(zip(COUNTER_NAMES, counters.tolist()))
     assert c["selected_tokens"] == 17 and c["learned_kept_tokens"] == 7
     assert c["structural_injected_tokens"] == 10 and c["learned_evicted_tokens"] == 10
+
+
+@pytest.mark.parametrize("W", [3, 64, 100, 2048])
+def test_topology_only_engine_defaults_with_recency_is_locality(kernel, W):
+    # Engine defaults (4 token sinks, 2 local blocks, 64-token blocks), no drift: the rows
+    # are sinks + the most recent tokens (the partly fitting block keeps its newest tokens).
+    # Lengths on partly filled blocks (27, 61, 1541, 2047), on block edges and below W.
+    lengths = [1, 27, 61, 64, 200, 1541, 2047, 2049]
+    x = _t([list(range(min(n, W))) + [-1] * (W - min(n, W)) for n in lengths], torch.int32)
+    got = check_equal(kernel, x, _t(lengths), **_kw(ONLY, W, local_blocks=2, block_size=64, sink_tokens=4))
+    assert got.tolist() == [reference_locality_row(n, W, 4) for n in lengths]
 
 
 def test_token_sinks(kernel):
@@ -230,7 +244,7 @@ def test_token_sinks(kernel):
     assert check_equal(kernel, _t([[10, 11, 12, 13, 14, 15, 16, 17]]), _t([40]), **kw).tolist() == [
         [10, 11, 12, 13, 0, 1, 39, 38]]
     assert check_equal(kernel, _t([[5, -1, -1, -1, -1, -1, -1, -1]]), _t([6]), **kw).tolist() == [
-        [5, 0, 1, 4, 2, -1, -1, -1]]
+        [5, 0, 1, 4, 3, -1, -1, -1]]  # the cut witness block 0 keeps its newest token (was 2)
 
 
 def test_present_local_tokens_never_keep_out_missing_sinks(kernel):

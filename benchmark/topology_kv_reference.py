@@ -135,6 +135,19 @@ def reference_token_indices(length: int, blocks: Sequence[int], block_size: int)
     return sorted(tokens)
 
 
+def reference_locality_row(length: int, width: int, sink_tokens: int) -> List[int]:
+    """Plain locality in the policy's output order: one row of ``width`` entries.
+
+    The first ``min(sink_tokens, width, length)`` tokens ascending, then the most recent
+    tokens newest first until ``min(width, length)`` entries, then ``-1``. It is what
+    ``topology_only`` selects with recency witnesses (no drift scores) and token sinks.
+    """
+    sinks = list(range(min(sink_tokens, width, length)))
+    n_recent = min(width, length) - len(sinks)
+    recent = list(range(length - 1, length - 1 - n_recent, -1))  # never reaches the sinks
+    return sinks + recent + [-1] * (width - len(sinks) - n_recent)
+
+
 def pad_rows(rows: Sequence[Sequence[int]], width: int, dtype=torch.int64) -> torch.Tensor:
     """Stack ragged Python rows into ``[len(rows), width]`` padded with ``-1``."""
     out = torch.full((len(rows), width), -1, dtype=dtype)
@@ -244,7 +257,9 @@ def reference_topology_policy(
         else:  # token sinks: never compressed, never counted as blocks
             sink_toks = list(range(min(sink_tokens, length)))
         local_toks = sorted((t for b in blocks[n_sink : n_sink + n_local] for t in tokens_of(b)), reverse=True)
-        wit_toks = [t for b in blocks[n_sink + n_local :] for t in tokens_of(b)]
+        # Witness blocks newest token first, like the local window: a block the budget cuts
+        # keeps its newest tokens.
+        wit_toks = [t for b in blocks[n_sink + n_local :] for t in sorted(tokens_of(b), reverse=True)]
         slots = sink_toks + local_toks + wit_toks  # priority order
         if mode == "topology_only":
             chosen = slots[:W]  # covers every token when length <= W

@@ -9,7 +9,8 @@ It reads top to bottom as stages, each a function below:
 
 1. :func:`_row_checks`: which rows are broken (rules in ``topology_kv_policy_rows``).
 2. :func:`_structural_slots`: the block schedule expanded to the structural slot tokens
-   (layout order ``[sinks | locals ascending | witnesses]``) and the priority order.
+   (layout order ``[sinks | locals ascending | witnesses]``) and the priority order
+   (:func:`_priority_permutation`: sinks ascending, locals and witness blocks newest first).
 3. :func:`_slot_mapping`: each learned entry's structural slot, and which slots the row
    already holds (merge modes only).
 4. :func:`_structural_target`: the priority-order prefix the row must hold (``<= W``
@@ -74,18 +75,23 @@ def _lowest_scored(scores: torch.Tensor, candidate: torch.Tensor, count: torch.T
     return lowest, chosen
 
 
-def _priority_permutation(s_tok: int, l_tok: int, w_tok: int, device) -> torch.Tensor:
+def _priority_permutation(s_tok: int, l_tok: int, n_wit: int, bs: int, device) -> torch.Tensor:
     """Static ``[S]`` map from priority position to layout slot.
 
-    Layout: ``[sink tokens | local tokens ascending | witness blocks]``; priority: sink
-    tokens ascending, local tokens from the most recent backwards, witness blocks in score
-    order with their tokens ascending. Invalid slots are skipped by the callers' masks.
+    Layout: ``[sink tokens | local tokens ascending | witness blocks, tokens ascending]``;
+    priority: sink tokens ascending, local tokens from the most recent backwards, witness
+    blocks in score order with their tokens newest first (a block the budget cuts keeps
+    its newest tokens, as the local window does). Invalid slots are skipped by the
+    callers' masks.
     """
+    wit_base = s_tok + l_tok
+    newest_first = bs - 1 - torch.arange(bs, device=device)  # [bs]
+    wit = wit_base + (torch.arange(n_wit, device=device) * bs).unsqueeze(1) + newest_first  # [n_wit, bs]
     return torch.cat(
         [
             torch.arange(s_tok, device=device),
             s_tok + l_tok - 1 - torch.arange(l_tok, device=device),
-            torch.arange(s_tok + l_tok, s_tok + l_tok + w_tok, device=device),
+            wit.flatten(),
         ]
     )
 
@@ -458,8 +464,12 @@ def topology_kv_policy_core(
       the first ``sink_tokens`` tokens, whose blocks are then neither local nor witness)
       ascending; local tokens (the ``local_blocks`` blocks ending at the row's last
       block) from the most recent backwards; witness blocks by descending score (ties:
-      lower block), tokens ascending; only tokens ``< length``. Compress mode keeps only
-      the first token of a scheduled block lying wholly inside ``[0, min(scaffold, length))``.
+      lower block), tokens newest first; only tokens ``< length``. So wherever the budget
+      cuts a local or witness block, the block keeps its newest tokens (the ones next to
+      the newer blocks already taken); a cut sink block keeps its first tokens. Without
+      drift, ``TOPOLOGY_ONLY`` with token sinks is therefore plain locality: the sink
+      tokens, then the most recent tokens newest first. Compress mode keeps only the first
+      token of a scheduled block lying wholly inside ``[0, min(scaffold, length))``.
     * Merge modes: the row's structural *target* is the longest prefix of the structural
       tokens in priority order that holds at most ``W`` tokens, at most ``cap`` of them
       missing from the row (``cap = structural_cap``, times ``W / max(length, W)``,
@@ -509,7 +519,7 @@ def topology_kv_policy_core(
         n_wit=(W + bs - 1) // bs + 1 if only else witness_blocks, bs=bs, sink_tokens=sink_tokens,
     )
     n_compressed = slots.n_compressed if slots.n_compressed is not None else torch.zeros_like(n_valid)
-    perm = _priority_permutation(slots.S_sink, local_blocks * bs, slots.wit.shape[1] * bs, device)
+    perm = _priority_permutation(slots.S_sink, local_blocks * bs, slots.wit.shape[1], bs, device)
     tok_p = slots.tok.index_select(1, perm)  # [R, S] priority order
     valid_p = tok_p >= 0
 

@@ -10,7 +10,9 @@
 //  2. schedule: sink / local blocks by arithmetic, witness blocks by a partial sort of the
 //     eligible blocks' unique int64 keys (fp32 drift bits made monotone, NaN as -inf,
 //     -0.0 as +0.0, the block reversed in the low 32 bits: ties to the lower block), and
-//     expand them to the structural tokens in priority order (tok[S]);
+//     expand them to the structural tokens in priority order (tok[S]: sinks ascending,
+//     local and witness blocks newest token first, so a block the budget cuts keeps its
+//     newest tokens);
 //  3. map every learned entry to its priority slot by arithmetic (witness blocks through a
 //     per-thread block -> pick table), marking the slots the row already holds;
 //  4. merge modes: one walk over the slots gives the target prefix (<= W tokens, <= cap
@@ -282,15 +284,15 @@ void run_rows(const Params& P, int64_t begin, int64_t end) {
         dst[-i] = (blk >= nb || t >= L || (partial && t < P.sink_tokens) || (comp && i != 0)) ? -1 : t;
       }
     }
-    for (int64_t j = 0; j < n_wit; ++j) {  // witnesses in score order, tokens ascending
+    for (int64_t j = 0; j < n_wit; ++j) {  // witnesses in score order, tokens newest first
       const int64_t blk = wit[j];
       const bool comp = P.compress && blk >= 0 && compressed(blk);
       n_comp += comp;
-      int64_t* dst = tok + S_sink + l_tok + j * bs;
+      int64_t* dst = tok + S_sink + l_tok + j * bs + bs - 1;  // token i of the block at dst[-i]
       for (int64_t i = 0; i < bs; ++i) {
         int64_t t = blk * bs + i;
         if (blk < 0 || t >= L || (partial && t < P.sink_tokens) || (comp && i != 0)) t = -1;
-        dst[i] = t;
+        dst[-i] = t;
       }
     }
 
@@ -312,7 +314,7 @@ void run_rows(const Params& P, int64_t begin, int64_t end) {
       const int64_t in_blk = rel - b * bs;
       int64_t j = -1;
       if (rel >= wit_lo && rel < wit_hi) j = wit_of ? int64_t(wit_of[b]) : local_start - 1 - b;
-      int64_t slot = j >= 0 ? wit_base + j * bs + in_blk : S;
+      int64_t slot = j >= 0 ? wit_base + j * bs + bs - 1 - in_blk : S;
       slot = rel >= local_lo ? S_sink + l_tok - 1 - (rel - local_tok_start) : slot;
       slot = rel < sink_tok_end ? rel : slot;
       if (P.compress) slot = (rel >= comp_lo && rel < comp_hi && in_blk != 0) ? S : slot;

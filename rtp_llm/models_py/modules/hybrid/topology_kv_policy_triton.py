@@ -26,7 +26,8 @@ Design
 One program per row (grid ``(R,)``), one launch per call. Each program loads its row
 once into registers, checks the contract (duplicates by a ``tl.sort`` of the row and a
 neighbour ``tl.gather``) and works on the ``S`` structural slots of the row in *priority
-order* (sink tokens, local tokens newest first, witness blocks in score order):
+order* (sink tokens, local tokens newest first, witness blocks in score order with their
+tokens newest first, so a block the budget cuts keeps its newest tokens):
 
 * witness blocks: a loop of ``N_WIT`` picks, each a ``tl.max`` over the order-preserving
   int64 key of the fp32 drift score with the block index reversed in the low 32 bits
@@ -176,7 +177,7 @@ if triton is not None:
         else:
             comp_blk_end = tl.zeros([], dtype=tl.int64)
 
-        # ---- priority-order slot layout: [sink | local newest first | witness] ----
+        # ---- priority-order slot layout: [sink | local newest first | witness newest first] ----
         p = tl.arange(0, BLOCK_S)
         in_sink = p < S_SINK
         in_local = (p >= S_SINK) & (p < S_SINK + L_TOK)
@@ -213,7 +214,7 @@ if triton is not None:
             hit = valid & (bt == wit_j)
             if PARTIAL_SINK:
                 hit = hit & (rel >= sink_tok_end)  # the block's sink tokens stay sinks
-            slot = tl.where(hit, S_SINK + L_TOK + j * BS + rel % BS, slot)
+            slot = tl.where(hit, S_SINK + L_TOK + j * BS + (BS - 1 - rel % BS), slot)  # newest first
             if COMPRESS:
                 n_comp += ((wit_j >= COMP_START_BLK) & (wit_j < comp_blk_end)).to(tl.int64)
         if COMPRESS:  # inside compressed blocks only the first token is structural
@@ -236,7 +237,7 @@ if triton is not None:
             stok = p.to(tl.int64)
             sok = in_sink & (sblk < sink_end)
         blk = tl.where(in_sink, sblk, tl.where(in_local, lblk, wblk))
-        tok = tl.where(in_sink, stok, tl.where(in_local, lblk * BS + q % BS, wblk * BS + wq % BS))
+        tok = tl.where(in_sink, stok, tl.where(in_local, lblk * BS + q % BS, wblk * BS + (BS - 1 - wq % BS)))
         seg_ok = sok | (in_local & (lblk < nb)) | (in_wit & (wblk >= 0))
         valid_p = seg_ok & (tok < L)
         if PARTIAL_SINK:
