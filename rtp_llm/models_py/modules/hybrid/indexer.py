@@ -19,7 +19,9 @@ How the path is chosen (:meth:`Indexer.select_path`), in this order:
 The policy hook runs after the op with the row lengths and offsets of the path's own
 parameters: decode ``expanded_seq_lens`` (offset 0), ragged ``expanded_seq_lens`` and
 ``topk_indices_offset``, CP ``precomputed_lengths`` and ``precomputed_topk_off``. Witness
-scores come from a caller-owned :class:`BlockDriftTracker` (live key-centroid drift).
+scores (``IndexerTopologySettings.witness_signal``) come from a caller-owned
+:class:`BlockDriftTracker` (live key-centroid drift; the merge modes' default), or are not
+passed at all (recency: ``topology_only``'s default, which then selects plain locality).
 
 Configuration: :class:`IndexerTopologySettings` (``topology_kv_config``), read from the
 ``RTP_LLM_TOPOLOGY_KV_*`` environment variables once, at construction, when not passed.
@@ -47,6 +49,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     ENV_PATHS,
     IndexerPath,
     IndexerTopologySettings,
+    ServingWitnessSignal,
     TopologyKVPolicyMode,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
@@ -161,6 +164,8 @@ class Indexer(nn.Module):
         if device is not None and policy.enabled:
             resolve_backend(policy.backend, device)  # raises naming backend and device; builds once
         self.topology = topology
+        # Resolved once: with recency no drift scores are passed (and no tracker is read).
+        self._witness_from_tracker = topology.resolved_witness_signal is ServingWitnessSignal.KEY_DRIFT
         self._logged_skip_reasons = set()  # (reason, path) pairs already logged
 
     # ------------------------------------------------------------------ routing
@@ -201,7 +206,9 @@ class Indexer(nn.Module):
         weights : ``[T, H]`` or ``[T, H, 1]`` per-head gates
         kv_cache, fmha_params, attention_inputs, cp_params : see the parameter classes
         drift_tracker : this layer's :class:`BlockDriftTracker` for the batch, or None
-            (witnesses then fall back to the most recent blocks; logged once)
+            (witnesses then fall back to the most recent blocks; logged once). Read only
+            when the settings' witness signal resolves to ``key_drift`` (``auto``: the
+            merge modes); with ``recency`` (``auto`` for ``topology_only``) it is ignored
         topology_context : TopologyRequestContext or one per request (compress mode)
         topology_counters : caller-owned :class:`TopologyStepCounters`, or None; when given,
             this layer's counters (or None if the policy did not run) are recorded there
@@ -452,8 +459,10 @@ class Indexer(nn.Module):
         lengths, offsets, row_to_request, batch = self._policy_inputs(
             path, topk, fmha_params, attention_inputs, cp_params
         )
+        # Witness scores: key drift from the tracker, or none with recency (witness_signal),
+        # where the policy takes the most recent eligible blocks itself.
         drift = None
-        if drift_tracker is not None:
+        if self._witness_from_tracker and drift_tracker is not None:
             if drift_tracker.block_size != config.block_size:
                 raise ValueError(
                     f"drift_tracker.block_size: expected {config.block_size} (the policy's block), "
@@ -465,7 +474,9 @@ class Indexer(nn.Module):
                     f"got {drift_tracker.num_requests}"
                 )
             drift = drift_tracker.drift_scores()
-        elif config.witness_blocks > 0 or config.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY:
+        elif self._witness_from_tracker and (
+            config.witness_blocks > 0 or config.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY
+        ):
             self._log_skip_once(
                 "no_drift",
                 path,

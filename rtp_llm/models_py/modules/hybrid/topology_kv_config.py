@@ -27,6 +27,9 @@ FRACTION``
 ``RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET``   fixed, scaled                the policy config's
 ``RTP_LLM_TOPOLOGY_KV_BACKEND``             auto, torch, compiled,       auto
                                             triton, cpu_fused
+``RTP_LLM_TOPOLOGY_KV_WITNESS_SIGNAL``      auto, key_drift, recency     auto (recency for
+                                                                         topology_only,
+                                                                         key_drift otherwise)
 =========================================== ============================ ==================
 
 ``fallback_disabled`` is the serving default because ``raise`` reads values on the host
@@ -121,6 +124,39 @@ class TopologyKVBackend(enum.Enum):
     @classmethod
     def parse(cls, value: Union[str, "TopologyKVBackend"]) -> "TopologyKVBackend":
         return parse_enum_member(cls, value, "backend")
+
+
+class ServingWitnessSignal(enum.Enum):
+    """What the serving ``Indexer`` passes the policy as witness scores.
+
+    The policy itself ranks witness blocks by whatever scores it is given, and by recency
+    (the most recent eligible blocks) when given none; this setting only decides what the
+    ``Indexer`` gives it. The query-aware signals of ``topology_kv_witness`` are not served.
+    """
+
+    AUTO = "auto"  # recency for topology_only, key_drift for the merge modes (see resolve)
+    KEY_DRIFT = "key_drift"  # the caller's BlockDriftTracker (live key-centroid drift)
+    RECENCY = "recency"  # no scores: witnesses are the most recent eligible blocks
+
+    @classmethod
+    def parse(cls, value: Union[str, "ServingWitnessSignal"]) -> "ServingWitnessSignal":
+        return parse_enum_member(cls, value, "witness_signal")
+
+    def resolve(self, mode: "TopologyKVPolicyMode") -> "ServingWitnessSignal":
+        """``KEY_DRIFT`` or ``RECENCY``: ``AUTO`` resolved for ``mode``.
+
+        ``topology_only`` gets recency: with key-drift witnesses at 64-token blocks it lost
+        to plain locality (sinks + most recent tokens) at every budget (W = L/16..L/4):
+        +4.3..+30.9% perplexity at ctx 1024, beating it in only 4-5 of 30 layers by
+        attention recall, and +3.7..+11.0% at ctx 2048 (docs/topology_vs_learned_runs.md,
+        sections 3 and 7); with recency it selects exactly locality. The merge modes keep
+        key drift: their witnesses only add to the indexer's rows.
+        """
+        if self is not ServingWitnessSignal.AUTO:
+            return self
+        if TopologyKVPolicyMode.parse(mode) is TopologyKVPolicyMode.TOPOLOGY_ONLY:
+            return ServingWitnessSignal.RECENCY
+        return ServingWitnessSignal.KEY_DRIFT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +257,7 @@ ENV_PATHS = "RTP_LLM_TOPOLOGY_KV_PATHS"
 ENV_SINK_TOKENS = "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS"
 ENV_STRUCTURAL_BUDGET = "RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET"
 ENV_BACKEND = "RTP_LLM_TOPOLOGY_KV_BACKEND"
+ENV_WITNESS_SIGNAL = "RTP_LLM_TOPOLOGY_KV_WITNESS_SIGNAL"
 
 
 class IndexerPath(enum.Enum):
@@ -321,14 +358,20 @@ class IndexerTopologySettings:
         the drift block (the KV page, 64 tokens).
     paths : frozenset of IndexerPath
         Paths the policy runs on when enabled; the others return the op's rows unchanged.
+    witness_signal : ServingWitnessSignal or its name
+        What the ``Indexer`` passes as witness scores: ``auto`` (default; recency for
+        ``topology_only``, key drift for the merge modes), ``key_drift`` (the caller's
+        ``BlockDriftTracker``) or ``recency`` (no scores, no tracker needed).
     """
 
     policy: TopologyKVPolicyConfig = dataclasses.field(default_factory=TopologyKVPolicyConfig)
     paths: FrozenSet[IndexerPath] = ALL_PATHS
+    witness_signal: ServingWitnessSignal = ServingWitnessSignal.AUTO
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, TopologyKVPolicyConfig):
             raise TypeError(f"policy: expected TopologyKVPolicyConfig, got {type(self.policy).__name__}")
+        object.__setattr__(self, "witness_signal", ServingWitnessSignal.parse(self.witness_signal))
         paths = frozenset(self.paths)
         for p in paths:
             if not isinstance(p, IndexerPath):
@@ -341,6 +384,11 @@ class IndexerTopologySettings:
 
     def applies_to(self, path: IndexerPath) -> bool:
         return self.enabled and path in self.paths
+
+    @property
+    def resolved_witness_signal(self) -> ServingWitnessSignal:
+        """``KEY_DRIFT`` or ``RECENCY``: :attr:`witness_signal` with ``auto`` resolved for the mode."""
+        return self.witness_signal.resolve(self.policy.policy)
 
     @classmethod
     def from_env(
@@ -367,6 +415,7 @@ class IndexerTopologySettings:
             )
         budget = _env_enum(environ, ENV_STRUCTURAL_BUDGET, StructuralBudget, defaults.structural_budget)
         backend = _env_enum(environ, ENV_BACKEND, TopologyKVBackend, defaults.backend)
+        witness_signal = _env_enum(environ, ENV_WITNESS_SIGNAL, ServingWitnessSignal, ServingWitnessSignal.AUTO)
         try:
             policy = TopologyKVPolicyConfig(
                 policy=mode,
@@ -386,5 +435,5 @@ class IndexerTopologySettings:
                 f"{'blocks' if sink_tokens is None else sink_tokens}, {ENV_LOCAL_BLOCKS}={local}, "
                 f"{ENV_WITNESS_BLOCKS}={witness}: {err}"
             ) from None
-        return cls(policy=policy, paths=paths)
+        return cls(policy=policy, paths=paths, witness_signal=witness_signal)
 

@@ -45,7 +45,9 @@ COMPRESS = TopologyKVPolicyMode.TOPOLOGY_COMPRESS_SPARSE
 ONLY = TopologyKVPolicyMode.TOPOLOGY_ONLY
 
 
-def policy_settings(mode=MERGE, paths=ALL_PATHS, **kw):
+def policy_settings(mode=MERGE, paths=ALL_PATHS, witness_signal="key_drift", **kw):
+    # key_drift for every mode: these cases plant drift witnesses and check they reach the
+    # policy (the serving default, auto, gives topology_only recency: tested on its own).
     base = dict(
         sink_blocks=1,
         local_blocks=2,
@@ -56,7 +58,9 @@ def policy_settings(mode=MERGE, paths=ALL_PATHS, **kw):
         sink_tokens=None,  # whole sink blocks: the layout these cases were written for
     )
     base.update(kw)
-    return IndexerTopologySettings(policy=TopologyKVPolicyConfig(policy=mode, **base), paths=frozenset(paths))
+    return IndexerTopologySettings(
+        policy=TopologyKVPolicyConfig(policy=mode, **base), paths=frozenset(paths), witness_signal=witness_signal
+    )
 
 
 DISABLED = IndexerTopologySettings()

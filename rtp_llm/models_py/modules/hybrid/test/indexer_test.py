@@ -49,6 +49,9 @@ from rtp_llm.models_py.modules.hybrid.test.indexer_cases import (
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     ENV_PATHS,
     IndexerPath,
+    IndexerTopologySettings,
+    ServingWitnessSignal,
+    TopologyKVPolicyConfig,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
 from rtp_llm.models_py.modules.hybrid.topology_kv_policy import TopologyRequestContext, TopologyStepPlan
@@ -232,6 +235,44 @@ def test_missing_tracker_falls_back_to_recency_and_logs_once(decode_case, caplog
     assert len([r for r in caplog.records if "no drift tracker" in r.getMessage()]) == 1
     assert torch.equal(outs[0], outs[1])
     assert_structural_present(outs[0], b.row_lengths, b.row_offsets, None, indexer.topology.policy)
+
+
+def test_topology_only_default_serves_recency_without_reading_the_tracker(decode_case, caplog):
+    """Issue 14: at the serving defaults (witness_signal auto) topology_only gets no drift
+    scores: a passed tracker is not read, nothing is logged, and the rows are plain
+    locality (4 sink tokens + the most recent tokens). Explicit key_drift reads it again."""
+    b = decode_case.batch
+    known = engine_rows(b.row_lengths, b.row_offsets, torch.Generator().manual_seed(8))
+    indexer = Indexer(HEADS, DIM, topology=IndexerTopologySettings(policy=TopologyKVPolicyConfig(policy=ONLY)))
+    assert indexer.topology.resolved_witness_signal is ServingWitnessSignal.RECENCY
+    tracker = make_tracker(decode_case)
+    fill_cache(indexer, decode_case, tracker)
+    unread = mock.patch.object(BlockDriftTracker, "drift_scores", side_effect=AssertionError("tracker read"))
+    with caplog.at_level(logging.WARNING), unread, mock.patch.object(Indexer, "_get_topk_paged", return_value=known):
+        with_tracker = run_compute_topk(indexer, decode_case, kv_cache=None, drift_tracker=tracker)
+        without = run_compute_topk(indexer, decode_case, kv_cache=None)
+    assert not [r for r in caplog.records if "no drift tracker" in r.getMessage()]
+    want = [policy_ref.reference_locality_row(n, WIDTH, 4) for n in b.row_lengths]
+    assert with_tracker.cpu().tolist() == want and without.cpu().tolist() == want
+    # The merge modes' auto and an explicit key_drift read the tracker once per call.
+    reads = []
+    original = BlockDriftTracker.drift_scores
+
+    def counted(self):
+        reads.append(self)
+        return original(self)
+
+    for settings in (
+        IndexerTopologySettings(policy=TopologyKVPolicyConfig(policy=MERGE)),
+        IndexerTopologySettings(policy=TopologyKVPolicyConfig(policy=ONLY), witness_signal="key_drift"),
+    ):
+        drift_indexer = Indexer(HEADS, DIM, topology=settings)
+        assert drift_indexer.topology.resolved_witness_signal is ServingWitnessSignal.KEY_DRIFT
+        reads.clear()
+        with mock.patch.object(BlockDriftTracker, "drift_scores", counted), \
+                mock.patch.object(Indexer, "_get_topk_paged", return_value=known):
+            run_compute_topk(drift_indexer, decode_case, kv_cache=None, drift_tracker=tracker)
+        assert reads == [tracker], settings
 
 
 def test_cp_rank_without_rows_returns_none(prefill_case):

@@ -28,11 +28,13 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     ENV_SINK_BLOCKS,
     ENV_SINK_TOKENS,
     ENV_WITNESS_BLOCKS,
+    ENV_WITNESS_SIGNAL,
     MAX_STRUCTURAL_BLOCKS,
     TopologyKVPolicyConfig,
     CoordinateMismatchAction,
     IndexerPath,
     IndexerTopologySettings,
+    ServingWitnessSignal,
     TopologyKVPolicyMode,
 )
 
@@ -97,6 +99,9 @@ BAD_ENV = [
     # Issue 12 (7): block counts past MAX_STRUCTURAL_BLOCKS (a call grew 400x at 2000).
     (ENV_LOCAL_BLOCKS, "2000"),
     (ENV_WITNESS_BLOCKS, "65"),
+    # Issue 14: the serving witness signal.
+    (ENV_WITNESS_SIGNAL, "drift"),  # not a member (key_drift is)
+    (ENV_WITNESS_SIGNAL, "query_mass"),  # a harness signal the Indexer does not compute
 ]
 
 
@@ -185,3 +190,30 @@ def test_a_forced_backend_the_layer_device_cannot_run_fails_at_construction():
         Indexer(HEADS, DIM, topology=settings, device=torch.device("meta"))
     Indexer(HEADS, DIM, topology=settings)  # device unknown: resolved at the first call
     Indexer(HEADS, DIM, topology=IndexerTopologySettings(), device=torch.device("meta"))  # disabled: nothing
+
+
+def test_env_witness_signal_defaults_to_auto_recency_only_for_topology_only():
+    """Issue 14: auto serves topology_only with recency (it then selects plain locality) and
+    the merge modes with key drift; an explicit value applies to every mode."""
+    assert IndexerTopologySettings().witness_signal is ServingWitnessSignal.AUTO
+    for mode, want in [("topology_only", "recency"), ("topology_sparse_merge", "key_drift"),
+                       ("topology_compress_sparse", "key_drift"), ("disabled", "key_drift")]:
+        s = IndexerTopologySettings.from_env({ENV_POLICY: mode})
+        assert s.witness_signal is ServingWitnessSignal.AUTO
+        assert s.resolved_witness_signal is ServingWitnessSignal(want), mode
+    for raw, want in [(" Recency ", "recency"), ("KEY_DRIFT", "key_drift"), ("auto", "auto"), ("  ", "auto")]:
+        for mode in ("topology_only", "topology_sparse_merge"):
+            s = IndexerTopologySettings.from_env({ENV_POLICY: mode, ENV_WITNESS_SIGNAL: raw})
+            assert s.witness_signal is ServingWitnessSignal(want), (raw, mode)
+            if want != "auto":
+                assert s.resolved_witness_signal is ServingWitnessSignal(want), (raw, mode)
+
+
+def test_env_bad_witness_signal_lists_the_valid_values():
+    with pytest.raises(ValueError) as err:
+        IndexerTopologySettings.from_env({ENV_POLICY: "topology_only", ENV_WITNESS_SIGNAL: "drift"})
+    assert str(err.value) == (
+        f"{ENV_WITNESS_SIGNAL}='drift': expected one of [auto, key_drift, recency] (case-insensitive), got 'drift'"
+    )
+    with pytest.raises(ValueError, match="witness_signal: expected one of \\[auto, key_drift, recency\\]"):
+        IndexerTopologySettings(witness_signal="bogus")
