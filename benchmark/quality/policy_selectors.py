@@ -20,6 +20,7 @@ import torch
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.layer import LayerInputs
 from benchmark.quality.selector_base import Selector, SelectorSettings, learned_rows_and_scores
+from rtp_llm.models_py.modules.hybrid.topology_kv_config import ServingWitnessSignal
 from rtp_llm.models_py.modules.hybrid.topology_kv_drift import block_drift_scores, block_key_centroids
 
 _POLICY_MODULE = "rtp_llm.models_py.modules.hybrid.topology_kv_policy"
@@ -55,22 +56,20 @@ CONFIG_FIELDS = (
 # Witness signals the harness adds to the engine's ``WitnessSignal``: "recency" passes no
 # witness scores, so the policy takes its documented fallback (the most recent eligible
 # blocks); "default" resolves per mode in :meth:`PolicySettings.for_mode`.
-RECENCY = "recency"
+RECENCY = ServingWitnessSignal.RECENCY.value
 DEFAULT_SIGNAL = "default"
-RECENCY_BLOCK_SIZE = 8  # topology_only's block size under its default (recency) witnesses
 
 
 def default_witness_signal(mode: str) -> str:
-    """The harness's per-mode default witness signal.
+    """The harness's per-mode default witness signal: the serving ``Indexer``'s (``auto``).
 
-    ``topology_only`` defaults to recency: on SmolLM2 key-centroid drift picks worse blocks
-    than recency (docs/topology_vs_learned_runs.md), and with recency witnesses the mode
-    keeps the sink tokens plus the most recent blocks, i.e. plain locality at block
-    granularity (at :data:`RECENCY_BLOCK_SIZE`-token blocks unless the mode's block size is
-    set: rows then differ from locality's in at most a few tokens). The merge modes keep key drift (the engine's
-    ``BlockDriftTracker``), whose witnesses only add to the indexer's rows.
+    ``ServingWitnessSignal.AUTO.resolve``: ``recency`` for ``topology_only`` (on SmolLM2
+    key-centroid drift picks worse blocks than recency, docs/topology_vs_learned_runs.md;
+    with recency witnesses the mode selects exactly plain locality, the sink tokens plus
+    the most recent tokens, at any block size), ``key_drift`` for the merge modes (the
+    engine's ``BlockDriftTracker``), whose witnesses only add to the indexer's rows.
     """
-    return RECENCY if mode == "topology_only" else "key_drift"
+    return ServingWitnessSignal.AUTO.resolve(mode).value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +84,7 @@ class PolicySettings:
         engine; None: the seed's whole sink blocks) and budget rule ("fixed": the seed's)
     mode_overrides : ``((mode, ((field, value), ...)), ...)``: settings that differ for one
         mode (e.g. ``topology_only`` with smaller blocks), applied by :meth:`for_mode`
-    witness_signal : what ranks witness blocks: ``default`` (per mode,
+    witness_signal : what ranks witness blocks: ``default`` (the engine's ``auto``, per mode,
         :func:`default_witness_signal`: ``recency`` for ``topology_only``, ``key_drift``
         otherwise), ``recency`` (no scores: the policy's most-recent-blocks fallback), or a
         ``WitnessSignal``: ``key_drift`` (seed),
@@ -126,13 +125,7 @@ class PolicySettings:
         changes = dict(pair for m, pairs in self.mode_overrides if m == mode for pair in pairs)
         out = dataclasses.replace(self, mode_overrides=(), **changes)
         if out.witness_signal == DEFAULT_SIGNAL:
-            signal = default_witness_signal(mode)
-            out = dataclasses.replace(out, witness_signal=signal)
-            if signal == RECENCY and "block_size" not in changes:
-                # The policy fills W block by block and cuts the last block at its *oldest*
-                # tokens; at 64-token blocks that keeps up to 63 older tokens in place of the
-                # most recent ones. 8-token blocks bound the difference to locality at a few tokens.
-                out = dataclasses.replace(out, block_size=RECENCY_BLOCK_SIZE)
+            out = dataclasses.replace(out, witness_signal=default_witness_signal(mode))
         return out
 
     def config(self, mode: str):
