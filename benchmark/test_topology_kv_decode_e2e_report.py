@@ -136,7 +136,13 @@ def test_merge_command_writes_one_report_and_plot(tmp_path, capsys):
     assert (out / report.PLOT_NAME).stat().st_size > 0
 
 
-def test_merge_needs_out(capsys):
+def test_merge_errors_name_the_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         e2e.parse_args(["--merge", "a.json"])
     assert "--merge and --out" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--merge: .*No such file"):
+        e2e.main(["--merge", str(tmp_path / "absent.json"), "--out", str(tmp_path / "out")])
+    run = tmp_path / "a.json"
+    run.write_text(json.dumps(payload([row("dense", 2048, 1, 10.0)])))
+    with pytest.raises(SystemExit, match="--merge: .*a.json: row .* is also in .*a.json"):
+        e2e.main(["--merge", str(run), str(run), "--out", str(tmp_path / "out")])

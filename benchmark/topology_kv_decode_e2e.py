@@ -95,14 +95,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run and print the tables and targets (``--json``: and write them), or ``--merge`` runs."""
     args = parse_args(argv)
     if args.merge:
         from benchmark.quality.paths import user_path
 
         out = user_path(args.out)
-        merged = write_merged([(p, user_path(p)) for p in args.merge], out)
+        try:
+            merged = write_merged([(p, user_path(p)) for p in args.merge], out)
+        except (OSError, ValueError) as err:  # a missing, unreadable or duplicated run
+            raise SystemExit(f"--merge: {err}") from err
         print(format_merged(merged))
         print(f"wrote {out / 'e2e.md'}, {out / 'e2e.json'} and the plot", file=sys.stderr)
         return 0

@@ -124,7 +124,7 @@ def format_table(rows: List[Row]) -> str:
     return "\n\n".join(blocks)
 
 
-def plot_step_vs_batch(rows: List[Row], path: Path, title: str = "Decode step time vs batch") -> Path:
+def plot_step_vs_batch(rows: List[Row], path: Path) -> Path:
     """Median step time vs batch, one line per (variant, proxy indexer, budget), one panel
     per (context, rows per request)."""
     import matplotlib
@@ -148,7 +148,8 @@ def plot_step_vs_batch(rows: List[Row], path: Path, title: str = "Decode step ti
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("ms per decode step (median)")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(title)
+    one = f" (proxy indexer {runs[0][0]}, W = {runs[0][3]})" if len(runs) == 1 else ""
+    fig.suptitle("Decode step time vs batch" + one)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -209,7 +210,7 @@ def format_merged(merged: Row, plot_name: Optional[str] = PLOT_NAME) -> str:
     for run in merged["runs"]:
         ind, env = run["indexer"], run.get("environment") or {}
         lines.append(f"- `{run['source']}`: `{command_of(run['settings'])}`; proxy indexer `{ind['preset']}` "
-                     f"({ind['heads']} x {ind['dim']}, {ind['ratio_to_attention']:.3f} of attention's "
+                     f"({ind['heads']} heads x {ind['dim']} dims, {ind['ratio_to_attention']:.3f} of attention's "
                      f"multiply-adds per key); {env.get('threads', '?')} threads on {env.get('device', '?')}, "
                      f"torch {env.get('torch', '?')}")
     lines += ["", format_table(merged["rows"]), "", "```", format_targets(merged["targets"]), "```"]
