@@ -109,6 +109,12 @@ def test_command_of_omits_defaults():
     assert report.command_of(settings) == ("python benchmark/topology_kv_decode_e2e.py --contexts 2048 --batches 32 "
                                            "--next-n 1 --new-tokens 8 --warmup 2 --budget 1024 "
                                            "--indexer-preset dsa-ratio")
+    settings.update(variants=["dense", "learned"], threads=2, novel="emma")
+    assert report.command_of(settings) == ("python benchmark/topology_kv_decode_e2e.py --contexts 2048 --batches 32 "
+                                           "--variants dense learned --next-n 1 --new-tokens 8 --warmup 2 "
+                                           "--budget 1024 --indexer-preset dsa-ratio --novel emma --threads 2")
+    settings["variants"] = list(e2e.VARIANTS)  # all of them: the default, left out
+    assert "--variants" not in report.command_of(settings)
 
 
 def test_merge_command_writes_one_report_and_plot(tmp_path, capsys):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from benchmark.e2e.attention import PARTS
+from benchmark.e2e.indexers import VARIANTS
 
 # Issue 16's targets, printed PASS / FAIL / NOT RUN and never asserted (a shared 2-core
 # machine's timings are a measurement, not a test).
@@ -101,7 +102,7 @@ def table_heading(row: Row) -> str:
     """The line above a table: proxy indexer preset and shape, budget, rows per request."""
     preset, heads, dim, budget = run_key(row)
     T = row["rows_per_request"]
-    shape = f" ({heads} head{'s' if heads != 1 else ''} x {dim} dims)" if heads is not None else ""
+    shape = f" ({_heads_dims(heads, dim)})" if heads is not None else ""
     mode = ("1 row per request (greedy decode)" if T == 1 else
             f"{T} rows per request (--next-n {T - 1}, speculative verification)")
     return f"**Proxy indexer `{preset}`{shape}, W = {budget}, {mode}**"
@@ -189,18 +190,30 @@ def merge_runs(payloads: Sequence[Tuple[str, Row]]) -> Row:
     return {"runs": runs, "rows": rows, "targets": targets(rows)}
 
 
+# Flags whose default a reconstructed command leaves out (the command line's defaults).
+OMITTED_DEFAULTS = {"next_n": 0, "length_spread": 1 / 16, "novel": "prideprejudice"}
+
+
 def command_of(settings: Row) -> str:
-    """The command line a run's ``settings`` came from (flags left at their defaults omitted)."""
+    """The command line a run's ``settings`` came from (``--quick`` expanded into its
+    values; flags at their defaults omitted)."""
     argv = ["python benchmark/topology_kv_decode_e2e.py"]
     for key in ("contexts", "batches"):
         argv.append(f"--{key} " + " ".join(str(x) for x in settings[key]))
+    variants = settings.get("variants")
+    if variants is not None and list(variants) != list(VARIANTS):
+        argv.append("--variants " + " ".join(variants))
     for key in ("next_n", "new_tokens", "warmup", "budget", "indexer_preset", "indexer_heads", "indexer_dim",
-                "num_layers", "length_spread"):
+                "num_layers", "length_spread", "model", "novel", "threads"):
         value = settings.get(key)
-        if value is None or (key == "next_n" and value == 0) or (key == "length_spread" and value == 1 / 16):
+        if value is None or (key in OMITTED_DEFAULTS and value == OMITTED_DEFAULTS[key]):
             continue
         argv.append(f"--{key.replace('_', '-')} {value}")
     return " ".join(argv)
+
+
+def _heads_dims(heads, dim) -> str:
+    return f"{heads} head{'s' if heads != 1 else ''} x {dim} dims"
 
 
 def format_merged(merged: Row, plot_name: Optional[str] = PLOT_NAME) -> str:
@@ -210,7 +223,7 @@ def format_merged(merged: Row, plot_name: Optional[str] = PLOT_NAME) -> str:
     for run in merged["runs"]:
         ind, env = run["indexer"], run.get("environment") or {}
         lines.append(f"- `{run['source']}`: `{command_of(run['settings'])}`; proxy indexer `{ind['preset']}` "
-                     f"({ind['heads']} heads x {ind['dim']} dims, {ind['ratio_to_attention']:.3f} of attention's "
+                     f"({_heads_dims(ind['heads'], ind['dim'])}, {ind['ratio_to_attention']:.3f} of attention's "
                      f"multiply-adds per key); {env.get('threads', '?')} threads on {env.get('device', '?')}, "
                      f"torch {env.get('torch', '?')}")
     lines += ["", format_table(merged["rows"]), "", "```", format_targets(merged["targets"]), "```"]
