@@ -160,9 +160,10 @@ def _decode_attention(plan: StepPlan, layer: int, query, key, value, scale, wind
         return out
     t0 = time.perf_counter()
     q_rows = q.reshape(R, H, D)
-    tracker = st.trackers[layer]
-    indexer.write_keys(pools.proxy.keys(k_new), pools.index_cache, plan.slots, drift_tracker=tracker,
-                       positions=plan.positions, request_ids=plan.request_ids)
+    tracker = st.trackers[layer] if indexer.reads_drift else None
+    if indexer.scan or tracker is not None:  # no scan and no drift (recency): no indexer key is read
+        indexer.write_keys(pools.proxy.keys(k_new), pools.index_cache, plan.slots, drift_tracker=tracker,
+                           positions=plan.positions, request_ids=plan.request_ids)
     q_index = pools.proxy.queries(q_rows)
     t1 = time.perf_counter()
     rows = indexer._compute_topk(q_index, plan.weights, pools.index_cache, plan.fmha, plan.attn, None,

@@ -168,6 +168,13 @@ class Indexer(nn.Module):
         self._witness_from_tracker = topology.resolved_witness_signal is ServingWitnessSignal.KEY_DRIFT
         self._logged_skip_reasons = set()  # (reason, path) pairs already logged
 
+    @property
+    def reads_drift(self) -> bool:
+        """Whether ``_compute_topk`` reads the caller's ``BlockDriftTracker`` (the policy is
+        on and its witnesses rank by key drift). False: the tracker may be skipped, and a
+        ``topology_only`` deployment without an indexer scan needs no indexer keys at all."""
+        return self.topology.policy.enabled and self._witness_from_tracker
+
     # ------------------------------------------------------------------ routing
 
     @staticmethod

@@ -245,6 +245,8 @@ def test_topology_only_default_serves_recency_without_reading_the_tracker(decode
     known = engine_rows(b.row_lengths, b.row_offsets, torch.Generator().manual_seed(8))
     indexer = Indexer(HEADS, DIM, topology=IndexerTopologySettings(policy=TopologyKVPolicyConfig(policy=ONLY)))
     assert indexer.topology.resolved_witness_signal is ServingWitnessSignal.RECENCY
+    assert not indexer.reads_drift
+    assert not Indexer(HEADS, DIM).reads_drift  # policy disabled: nothing read either
     tracker = make_tracker(decode_case)
     fill_cache(indexer, decode_case, tracker)
     unread = mock.patch.object(BlockDriftTracker, "drift_scores", side_effect=AssertionError("tracker read"))
@@ -268,6 +270,7 @@ def test_topology_only_default_serves_recency_without_reading_the_tracker(decode
     ):
         drift_indexer = Indexer(HEADS, DIM, topology=settings)
         assert drift_indexer.topology.resolved_witness_signal is ServingWitnessSignal.KEY_DRIFT
+        assert drift_indexer.reads_drift
         reads.clear()
         with mock.patch.object(BlockDriftTracker, "drift_scores", counted), \
                 mock.patch.object(Indexer, "_get_topk_paged", return_value=known):
