@@ -24,6 +24,7 @@ from benchmark.quality.report import markdown_report, write_outputs
 from benchmark.quality.runner import GridSettings, run_grid, select_all_self_check
 from benchmark.quality.selector_base import SelectorSettings
 from benchmark.quality.selectors import resolve_selector_names
+from benchmark.quality.sparse_attention import STAGES
 from benchmark.quality.probe import (DEFAULT_DISTANCES, DEFAULT_SEGMENT, ProbeSettings, make_probe_window,
                                      probe_layout, probe_summary)
 from benchmark.quality.intervals import DEFAULT_CHUNK, DEFAULT_SAMPLES, BootstrapSettings
@@ -149,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.add_argument("--query-chunk", type=int, default=256, help="query rows per attention chunk")
     g.add_argument("--logits-chunk", type=int, default=1024, help="positions per lm_head call")
-    g.add_argument("--metric-stride", type=int, default=4, help="per-layer metrics on every n-th query row only "
-                   "(default 4; 1 = every row, which costs about an eager dense attention per layer more)")
+    g.add_argument("--metric-stride", default="auto", help="per-layer metrics on every n-th query row only "
+                   "(default auto: context // 512, i.e. 4 at 2048 tokens and 16 at 8192; 1 = every row, "
+                   "which costs about an eager dense attention per layer more)")
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--skip-self-check", action="store_true", help="skip the select-all == dense logits check "
                    "that runs before the grid (512 tokens, a few seconds)")
@@ -194,9 +196,10 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         text_path = user_path(args.text)
         if not text_path.is_file():
             raise UsageError(f"--text: no such file {text_path}")
-    for flag in ("query_chunk", "logits_chunk", "metric_stride"):
+    for flag in ("query_chunk", "logits_chunk"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
+    metric_stride = parse_metric_stride(args.metric_stride)
     if args.scaffold_tokens < 0:
         raise UsageError(f"--scaffold-tokens: expected >= 0, got {args.scaffold_tokens}")
     model_path = None
@@ -239,9 +242,29 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         "probe": probe,
         "bootstrap": BootstrapSettings(chunk=args.bootstrap_chunk, samples=args.bootstrap_samples,
                                        seed=args.bootstrap_seed),
+        "metric_stride": metric_stride,
         "data_dir": user_path(args.data_dir) if args.data_dir else default_data_dir(),
         "out_dir": user_path(args.out_dir),
     }
+
+
+def parse_metric_stride(value: str) -> Optional[int]:
+    """``--metric-stride``: ``auto`` -> None (``runner.auto_metric_stride`` per context), or an int >= 1."""
+    if str(value).strip().lower() == "auto":
+        return None
+    try:
+        stride = int(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"--metric-stride: expected 'auto' or an integer >= 1, got {value!r}") from None
+    if stride < 1:
+        raise UsageError(f"--metric-stride: expected 'auto' or an integer >= 1, got {value!r}")
+    return stride
+
+
+def _metric_strides(grid_settings: GridSettings, contexts: Sequence[int]):
+    """The stride used (an int when every context shares it, as before ``auto``), else ``{context: stride}``."""
+    strides = {str(ctx): grid_settings.stride_for(ctx) for ctx in contexts}
+    return next(iter(strides.values())) if len(set(strides.values())) == 1 else strides
 
 
 def parse_sink_tokens(value: str, flag: str = "--policy-sink-tokens"):
@@ -347,7 +370,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         query_chunk=args.query_chunk,
         logits_chunk=args.logits_chunk,
         metric_sink_tokens=args.sink_tokens,
-        metric_stride=args.metric_stride,
+        metric_stride=cfg["metric_stride"],
         bootstrap=cfg["bootstrap"],
     )
     probes = None
@@ -376,7 +399,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             "seed": cfg["probe"].seed, "windows_per_context": 1},
         "grid": {"contexts": list(cfg["contexts"]), "budgets": [str(b) for b in cfg["budgets"]],
                  "selectors": list(cfg["selectors"]), "query_chunk": args.query_chunk,
-                 "logits_chunk": args.logits_chunk, "metric_stride": args.metric_stride},
+                 "logits_chunk": args.logits_chunk,
+                 "metric_stride": _metric_strides(grid_settings, cfg["contexts"])},
         "selector_settings": vars(cfg["selector_settings"]),
         "policy_settings": vars(cfg["policy_settings"]),
         "gate_thresholds": {k: str(v) for k, v in vars(cfg["gate"]).items()},
@@ -388,7 +412,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         "glibc_mmap_threshold_1mib": heap_limited,
         "timing_s": {"text_setup": t_text, "model_load": t_load, "grid": t_grid,
                      "dense_forwards": sum(d.seconds for d in grid.dense.values()),
-                     "sparse_forwards": sum(c.seconds for c in grid.cells)},
+                     "sparse_forwards": sum(c.seconds for c in grid.cells),
+                     "sparse_stages": {stage: sum(c.stage_seconds.get(stage, 0.0) for c in grid.cells)
+                                       for stage in STAGES}},
     }
     paths = write_outputs(grid, list(cfg["selectors"]), verdicts, settings, cfg["out_dir"], plots=not args.no_plots)
     print(markdown_report(grid, list(cfg["selectors"]), verdicts, settings))

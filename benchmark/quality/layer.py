@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterator, Optional, Tuple
+import math
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -77,6 +78,32 @@ class LayerInputs:
         """fp32 ``[H, L, D]``: values repeated per query head."""
         return self.value.repeat_interleave(self.groups, dim=0) if self.groups > 1 else self.value
 
+    @functools.cached_property
+    def expanded_key_t(self) -> torch.Tensor:
+        """fp32 ``[H, D, L]`` contiguous: :attr:`expanded_key` transposed, for :meth:`head_dot_into`."""
+        return expand_transpose_keys(self.key, self.groups)
+
+    @functools.cached_property
+    def _scratch(self) -> Dict[str, torch.Tensor]:
+        return {}
+
+    def scratch(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A contiguous ``shape`` view of this layer's buffer ``name`` (contents undefined).
+
+        One allocation per layer and name, sized for the largest chunk (``query_chunk`` rows
+        against all ``L`` keys) on first use, instead of one per chunk: at 8k a ``[H, Tc, lc]``
+        block is up to 75 MB, and every fresh block of that size is page-faulted in again
+        (the CLI makes glibc return such blocks to the OS, see ``cli.limit_heap_fragmentation``).
+        A later call with the same name overwrites the earlier view's contents.
+        """
+        numel = math.prod(shape)
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            lead = math.prod(shape[:-2]) if len(shape) > 2 else 1
+            capacity = max(numel, lead * min(self.query_chunk, self.num_queries) * self.key_length)
+            buf = self._scratch[name] = torch.empty(capacity, dtype=dtype, device=self.query.device)
+        return buf[:numel].view(shape)
+
     def chunks(self) -> Iterator[Tuple[int, int, int]]:
         """``(c0, c1, lc)``: query rows ``[c0, c1)`` and the ``lc`` keys they can reach."""
         T, L = self.num_queries, self.key_length
@@ -91,6 +118,47 @@ class LayerInputs:
         q = query.reshape(Hkv, H // Hkv, Tc, Dq)  # [Hkv, g, Tc, D']
         s = torch.matmul(q, key.unsqueeze(1).transpose(-1, -2))  # [Hkv, g, Tc, lc]
         return s.reshape(H, Tc, key.shape[1])
+
+    def head_dot_into(self, query: torch.Tensor, key_t: torch.Tensor, lc: int, name: str) -> torch.Tensor:
+        """:meth:`head_dot` into the scratch buffer ``name``: fp32 ``[H, Tc, lc]``, bit for bit equal.
+
+        query ``[H, Tc, D']``; key_t ``[H, D', L]`` contiguous, keys already repeated per
+        query head (:func:`expand_transpose_keys`). One ``bmm`` over the ``lc`` first key
+        columns, without the per-chunk copy of the broadcast keys that :meth:`head_dot`'s
+        ``matmul`` makes. Same GEMM per head, so the same bits (pinned by the tests).
+        """
+        H, Tc, _ = query.shape
+        out = self.scratch(name, (H, Tc, lc))
+        return torch.bmm(query, key_t[:, :, :lc], out=out)
+
+    def causal_fill_(self, scores: torch.Tensor, c0: int, c1: int, lc: int, value: float) -> torch.Tensor:
+        """Set ``scores[..., t, s] = value`` where key ``s`` lies past row ``t``'s causal length; in place.
+
+        scores : float ``[..., Tc, lc]`` of query rows ``[c0, c1)``. Only the last ``Tc``
+        columns can lie past a row's length (row ``t`` sees ``lc - (c1 - 1 - t)`` keys),
+        so only that ``[Tc, Tc]`` corner is touched, not the whole block.
+        """
+        start = max(0, lc - (c1 - c0))
+        col = torch.arange(start, lc, device=scores.device).unsqueeze(0)  # [1, lc - start]
+        future = col >= self.lengths[c0:c1].unsqueeze(1)  # [Tc, lc - start]
+        scores[..., start:].masked_fill_(future, value)
+        return scores
+
+    def dense_probabilities_into(self, c0: int, c1: int, lc: int, name: str) -> torch.Tensor:
+        """:meth:`dense_probabilities` bit for bit, in the scratch buffer ``name``: fp32 ``[H, Tc, lc]``.
+
+        The same ops (logits, scale, soft-cap, ``-inf`` outside the allowed keys, softmax),
+        each in place, with the causal mask applied to the ``[Tc, Tc]`` corner only when the
+        model built no mask of its own.
+        """
+        s = self.head_dot_into(self.query[:, c0:c1], self.expanded_key_t, lc, name).mul_(self.scaling)
+        if self.softcap is not None:
+            s.div_(self.softcap).tanh_().mul_(self.softcap)
+        if self.allowed is None:
+            self.causal_fill_(s, c0, c1, lc, float("-inf"))
+        else:
+            s.masked_fill_(~self.allowed_chunk(c0, c1, lc).unsqueeze(0), float("-inf"))
+        return torch.ops.aten._softmax.out(s, -1, False, out=s)  # in place: the same kernel as torch.softmax
 
     def logits(self, c0: int, c1: int, lc: int) -> torch.Tensor:
         """fp32 ``[H, Tc, lc]`` scaled (and soft-capped) attention logits, unmasked."""
@@ -163,3 +231,9 @@ class LayerInputs:
         s = self.logits(c0, c1, lc)
         s = s.masked_fill(~self.allowed_chunk(c0, c1, lc).unsqueeze(0), float("-inf"))
         return torch.softmax(s, dim=-1)
+
+
+def expand_transpose_keys(key: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[Hkv, L, D]`` keys -> contiguous ``[Hkv * groups, D, L]`` (repeated per query head, transposed)."""
+    k = key.repeat_interleave(groups, dim=0) if groups > 1 else key
+    return k.transpose(1, 2).contiguous()

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 from benchmark.quality.gate import Verdict, check_mark
-from benchmark.quality.runner import GridResult, cell_summary, sorted_cells
+from benchmark.quality.runner import GridResult, cell_summary, sorted_cells, stage_breakdown
 
 
 def _f(x, digits=3) -> str:
@@ -72,7 +72,29 @@ def markdown_report(
             f"{_f(L.get('recall_p5'))} | {_f(L.get('recall_p5_min'))} | {_f(L.get('cos_diff_mean'), 4)} | "
             f"{_f(L.get('top1_mean'))} | {_f(L.get('sink_mean'))} | {_f(s['seconds'], 1)} |"
         )
+    out += ["", *timing_table(grid, selector_order)]
     return "\n".join(out) + "\n"
+
+
+def timing_table(grid: GridResult, selector_order: Sequence[str]) -> List[str]:
+    """Seconds per forward, per cell, split by stage (``seconds_per_forward`` in results.json)."""
+    out = ["## Where the time goes", "",
+           "Wall seconds per forward (one text window), the sparse stages summed over the sparse "
+           "layers: selector (the selector's rows), row check (the engine-convention check), "
+           "attention (selection masks and sparse attention), metrics (the dense comparison at the "
+           "metric stride); rest = everything else (the other layers' work, the loss). The dense "
+           "forward runs the model's own attention.", "",
+           "| ctx | budget | selector | total | selector | row check | attention | metrics | rest |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for ctx, d in sorted(grid.dense.items()):
+        per = d.seconds / max(len(d.window_nll), 1)
+        out.append(f"| {ctx} | - | dense | {_f(per, 1)} | | | | | |")
+    for cell in sorted_cells(grid, selector_order):
+        t = stage_breakdown(cell)
+        out.append(f"| {cell.context} | {cell.budget} | {cell.selector} | {_f(t['total'], 1)} | "
+                   f"{_f(t['selector'], 1)} | {_f(t['row_check'], 1)} | {_f(t['attention'], 1)} | "
+                   f"{_f(t['metrics'], 1)} | {_f(t['rest'], 1)} |")
+    return out
 
 
 def interval_table(grid: GridResult, selector_order: Sequence[str], settings: Dict) -> List[str]:

@@ -38,8 +38,24 @@ class GridSettings:
     query_chunk: int = DEFAULT_QUERY_CHUNK
     logits_chunk: int = 1024
     metric_sink_tokens: int = 4  # sink retention counts the first 4 positions (docs/quality.md)
-    metric_stride: int = 1  # measure per-layer metrics on every n-th query row
+    # Measure per-layer metrics on every n-th query row; None = :func:`auto_metric_stride`.
+    metric_stride: Optional[int] = 1
     bootstrap: BootstrapSettings = BootstrapSettings()
+
+    def stride_for(self, context: int) -> int:
+        """The metric stride at ``context`` tokens."""
+        return auto_metric_stride(context) if self.metric_stride is None else self.metric_stride
+
+
+# Rows measured per window under the automatic metric stride: 512 (every 4th row at 2k, the
+# default before it scaled; every 16th at 8k), so the metric pass costs the same share of a
+# forward at every context instead of growing with it (docs/quality.md, "Cost of a sparse forward").
+AUTO_METRIC_ROWS = 512
+
+
+def auto_metric_stride(context: int) -> int:
+    """``max(1, context // 512)``: 4 at 2048 tokens, 16 at 8192."""
+    return max(1, context // AUTO_METRIC_ROWS)
 
 
 def budget_width(context: int, fraction: Fraction) -> int:
@@ -59,6 +75,8 @@ class CellResult:
     sparse_nll_sum: float = 0.0  # positions whose causal length exceeds W
     sparse_tokens: int = 0
     seconds: float = 0.0
+    # Wall seconds per sparse-layer stage (sparse_attention.STAGES), summed over the windows.
+    stage_seconds: Dict[str, float] = dataclasses.field(default_factory=dict)
     metrics: LayerMetrics = dataclasses.field(default_factory=LayerMetrics)
     selector_stats: Dict[str, float] = dataclasses.field(default_factory=dict)
     sparse_layers: Tuple[int, ...] = ()
@@ -188,6 +206,17 @@ def _probe_forward(lm: LoadedModel, probe, plan: Optional[SparsePlan]):
         return probe_scores(hidden, lm.model.get_output_embeddings(), probe, softcap)
 
 
+def _layer_progress(bar, label: str, layers: int):
+    """``on_layer`` callback: the bar's postfix names the layer a long forward is at."""
+    done = []
+
+    def on_layer(layer_idx: int) -> None:
+        done.append(layer_idx)
+        bar.set_postfix_str(f"{label} layer {len(done)}/{layers}")
+
+    return on_layer
+
+
 def run_grid(
     lm: LoadedModel,
     windows: Dict[int, List[TextWindow]],
@@ -236,7 +265,8 @@ def run_grid(
                         metrics=cell.metrics,
                         query_chunk=settings.query_chunk,
                         sink_tokens=settings.metric_sink_tokens,
-                        metric_stride=settings.metric_stride,
+                        metric_stride=settings.stride_for(context),
+                        on_layer=_layer_progress(bar, f"ctx {context} W {width} {name}", len(full_layers)),
                     )
                     start = time.perf_counter()
                     nll_sparse = window_nll(lm, window, plan, settings.logits_chunk)
@@ -247,6 +277,8 @@ def run_grid(
                     cell.sparse_tokens += nll_sparse[width:].numel()
                     cell.window_nll.append(nll_sparse.detach().to(torch.float64).cpu())
                     cell.sparse_layers = tuple(sorted(set(plan.sparse_layers)))
+                    for stage, value in plan.stage_seconds.items():
+                        cell.stage_seconds[stage] = cell.stage_seconds.get(stage, 0.0) + value
                     for stats in plan.selector_stats.values():
                         for key, value in stats.items():
                             cell.selector_stats[key] = cell.selector_stats.get(key, 0) + value
@@ -307,11 +339,25 @@ def cell_summary(grid: GridResult, cell: CellResult) -> Dict[str, object]:
         "tokens": cell.tokens,
         "sparse_row_tokens": cell.sparse_tokens,
         "seconds": cell.seconds,
+        "seconds_per_forward": stage_breakdown(cell),
         "layers": summarize_layers(per_layer),
         "per_layer": {str(k): v for k, v in per_layer.items()},
         "sparse_layers": list(cell.sparse_layers),
         "selector_stats": cell.selector_stats,
     }
+
+
+def stage_breakdown(cell: CellResult) -> Dict[str, float]:
+    """Seconds per sparse forward: ``total``, each stage of :data:`~benchmark.quality.sparse_attention.STAGES`
+    (summed over the sparse layers), and ``rest`` (everything else: the model's other
+    layers and projections, the loss)."""
+    from benchmark.quality.sparse_attention import STAGES
+
+    forwards = max(len(cell.window_nll), 1)
+    out = {"total": cell.seconds / forwards}
+    out.update({stage: cell.stage_seconds.get(stage, 0.0) / forwards for stage in STAGES})
+    out["rest"] = out["total"] - sum(out[stage] for stage in STAGES)
+    return out
 
 
 def sorted_cells(grid: GridResult, selector_order: Sequence[str]) -> List[CellResult]:

@@ -32,8 +32,8 @@ from typing import Callable, Dict, Tuple
 import torch
 
 from benchmark.quality.errors import UsageError
-from benchmark.quality.index_rows import dense_rows, rows_from_scores
-from benchmark.quality.layer import LayerInputs
+from benchmark.quality.index_rows import dense_rows
+from benchmark.quality.layer import LayerInputs, expand_transpose_keys
 from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import fp8_e4m3_round_trip
 
 Selector = Callable[[LayerInputs, int, Dict[str, float]], torch.Tensor]
@@ -79,21 +79,33 @@ def top_rows_by_chunk(layer: LayerInputs, width: int, chunk_scores: ChunkScores)
 
     Returns int32 rows ``[T, W]`` and fp32 scores ``[T, W]`` (``-inf`` at ``-1`` padding).
     Chunks whose rows are all short (dense by convention) are not scored; their entries
-    get score 0.
+    get score 0. ``chunk_scores`` may return a scratch buffer: it is overwritten in place
+    (``-inf`` past each row's causal length) before the next call.
+
+    The same rows and scores, bit for bit, as :func:`~benchmark.quality.index_rows.rows_from_scores`
+    on each chunk (tests: ``test_topology_kv_quality_fast_path.py``): the same ``torch.topk``
+    call on the same ``[Tc, lc]`` values, so ties resolve the same way; only the masking
+    touches the ``[Tc, Tc]`` corner instead of a copy of the block, and the outputs are
+    written in place instead of concatenated.
     """
-    rows, scores = [], []
+    T, device = layer.num_queries, layer.lengths.device
+    rows = torch.empty(T, width, dtype=torch.int32, device=device)
+    scores = torch.empty(T, width, dtype=torch.float32, device=device)
     for c0, c1, lc in layer.chunks():
         lengths = layer.lengths[c0:c1]
         if lc <= width:
-            r = dense_rows(lengths, width)
-            sc = torch.zeros(r.shape, dtype=torch.float32, device=r.device)
-        else:
-            s = chunk_scores(c0, c1, lc)
-            r = rows_from_scores(s, lengths, width)
-            sc = torch.gather(s.to(torch.float32), 1, r.to(torch.int64).clamp(min=0))
-        rows.append(r)
-        scores.append(torch.where(r >= 0, sc, float("-inf")))
-    return torch.cat(rows, dim=0), torch.cat(scores, dim=0)
+            r = rows[c0:c1] = dense_rows(lengths, width)
+            scores[c0:c1] = torch.zeros(r.shape, device=device).masked_fill_(r < 0, float("-inf"))
+            continue
+        s = layer.causal_fill_(chunk_scores(c0, c1, lc).to(torch.float32), c0, c1, lc, float("-inf"))  # [Tc, lc]
+        top = torch.topk(s, width, dim=-1).indices  # [Tc, W] int64
+        long_rows = (lengths > width).unsqueeze(1)  # [Tc, 1]
+        if not bool(long_rows.all()):  # a chunk holding the last short rows (host sync: harness code)
+            top = torch.where(long_rows, top, dense_rows(lengths, width).to(torch.int64))
+        rows[c0:c1] = top
+        sc = torch.gather(s, 1, top.clamp(min=0))  # [Tc, W]: unmasked values (entries are causal)
+        scores[c0:c1] = sc.masked_fill_(top < 0, float("-inf"))
+    return rows, scores
 
 
 # ------------------------------------------------------------------------- proxy indexer
@@ -125,12 +137,30 @@ def indexer_inputs(layer: LayerInputs, settings: SelectorSettings, lowrank: bool
 
 
 def proxy_index_scores(layer: LayerInputs, q: torch.Tensor, k: torch.Tensor) -> ChunkScores:
-    """``chunk_scores`` of the proxy: ``sum_h relu(q_h[t] . k_h[s]) / H`` (``[Tc, lc]``)."""
+    """``chunk_scores`` of the proxy: ``sum_h relu(q_h[t] . k_h[s]) / H`` (fp32 ``[Tc, lc]``).
+
+    q ``[H, T, D']``, k ``[Hkv, L, D']``. The returned block is a scratch buffer of
+    ``layer`` (valid until the next call). Bit for bit :func:`proxy_index_scores_reference`:
+    the same product per head (one ``bmm`` on keys repeated and transposed once per layer,
+    :meth:`LayerInputs.head_dot_into`), the same ``sum`` over heads, in place.
+    """
+    H = q.shape[0]
+    key_t = expand_transpose_keys(k, H // k.shape[0])  # [H, D', L], once per layer
+
+    def chunk_scores(c0: int, c1: int, lc: int) -> torch.Tensor:
+        s = layer.head_dot_into(q[:, c0:c1], key_t, lc, "proxy_heads").clamp_(min=0)  # [H, Tc, lc]
+        out = layer.scratch("proxy_scores", (c1 - c0, lc))
+        return torch.sum(s, dim=0, out=out).div_(H)  # [Tc, lc]
+
+    return chunk_scores
+
+
+def proxy_index_scores_reference(layer: LayerInputs, q: torch.Tensor, k: torch.Tensor) -> ChunkScores:
+    """The plain form of :func:`proxy_index_scores` (tests and benchmarks only): fresh tensors per chunk."""
     H = q.shape[0]
 
     def chunk_scores(c0: int, c1: int, lc: int) -> torch.Tensor:
-        # In place: the [H, Tc, lc] product is this call's own (saves a pass and a copy).
-        return layer.head_dot(q[:, c0:c1], k[:, :lc]).clamp_(min=0).sum(dim=0) / H  # [Tc, lc]
+        return layer.head_dot(q[:, c0:c1], k[:, :lc]).clamp(min=0).sum(dim=0) / H  # [Tc, lc]
 
     return chunk_scores
 

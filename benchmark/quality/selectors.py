@@ -39,7 +39,19 @@ def select_oracle(layer: LayerInputs, width: int, stats: Dict[str, float]) -> to
     """The true top-W keys by dense attention probability summed over heads (upper bound).
 
     Maximizes the head-averaged attention-mass recall at this layer by construction.
+    Scores per chunk: :meth:`LayerInputs.dense_probabilities_into` (in place, bit for bit
+    :meth:`LayerInputs.dense_probabilities`) summed over heads into a scratch buffer.
     """
+
+    def chunk_scores(c0: int, c1: int, lc: int) -> torch.Tensor:
+        p = layer.dense_probabilities_into(c0, c1, lc, "oracle_heads")  # [H, Tc, lc]
+        return torch.sum(p, dim=0, out=layer.scratch("oracle_scores", (c1 - c0, lc)))  # [Tc, lc]
+
+    return top_rows_by_chunk(layer, width, chunk_scores)[0]
+
+
+def select_oracle_reference(layer: LayerInputs, width: int, stats: Dict[str, float]) -> torch.Tensor:
+    """:func:`select_oracle` from fresh per-chunk tensors (tests and benchmarks only)."""
     return top_rows_by_chunk(layer, width, lambda c0, c1, lc: layer.dense_probabilities(c0, c1, lc).sum(dim=0))[0]
 
 

@@ -27,11 +27,12 @@ argument that transformers passes down to every attention call::
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, FrozenSet, Optional
+import time
+from typing import Callable, Dict, FrozenSet, Optional
 
 import torch
 
-from benchmark.quality.index_rows import check_engine_rows, rows_to_mask
+from benchmark.quality.index_rows import check_engine_rows
 from benchmark.quality.layer import DEFAULT_QUERY_CHUNK, LayerInputs
 from benchmark.quality.metrics import LayerMetrics
 
@@ -40,6 +41,8 @@ ATTENTION_NAME = "topology_kv_quality"
 # attention over those key columns only (gathered once per chunk) instead of a full mask.
 COMPACT_BELOW = 2
 PLAN_KWARG = "topology_kv_plan"
+# The stages of a sparse layer that SparsePlan.stage_seconds times, in order.
+STAGES = ("selector", "row_check", "attention", "metrics")
 
 
 @dataclasses.dataclass
@@ -59,6 +62,11 @@ class SparsePlan:
         the metric pass costs about twice the sparse attention itself
     selector_stats : layer -> counters the selector reported (policy counters)
     sparse_layers : layers that actually ran sparse in this forward, in call order
+    stage_seconds : wall seconds per stage, summed over the sparse layers:
+        ``selector`` (the selector's rows), ``row_check`` (the convention check),
+        ``attention`` (selection masks and sparse attention), ``metrics`` (the dense
+        comparison); see :data:`STAGES`
+    on_layer : called with the layer index after each sparse layer (progress output), or None
     """
 
     selector: object
@@ -71,6 +79,8 @@ class SparsePlan:
     metric_stride: int = 1
     selector_stats: Dict[int, Dict[str, float]] = dataclasses.field(default_factory=dict)
     sparse_layers: list = dataclasses.field(default_factory=list)
+    stage_seconds: Dict[str, float] = dataclasses.field(default_factory=dict)
+    on_layer: Optional[Callable[[int], None]] = None
 
 
 def register() -> None:
@@ -114,6 +124,23 @@ def chunked_dense_attention(layer: LayerInputs) -> torch.Tensor:
     return out
 
 
+def chunk_selection_mask(layer: LayerInputs, rows: torch.Tensor, c0: int, c1: int, lc: int) -> torch.Tensor:
+    """bool ``[Tc, lc]``: the keys rows ``[c0, c1)`` select, within the allowed (causal, model) mask.
+
+    rows : int ``[Tc, W]`` (the chunk's rows, ``-1`` padding, entries ``< lc``). Scattered
+    into this layer's scratch buffer (one ``[Tc, lc + 1]`` block per layer, not a ``[T, L]``
+    mask per call); valid until the next call.
+    """
+    Tc = c1 - c0
+    buf = layer.scratch("selection_mask", (Tc, lc + 1), torch.bool).zero_()
+    target = torch.where(rows >= 0, rows.to(torch.int64), lc)  # [Tc, W]: -1 -> a dump column
+    sel = buf.scatter_(1, target, True)[:, :lc]
+    if layer.allowed is None:
+        # Rows are causal by the convention; the [Tc, Tc] corner is all that can break it.
+        return layer.causal_fill_(sel, c0, c1, lc, False)
+    return sel.logical_and_(layer.allowed_chunk(c0, c1, lc))
+
+
 def sparse_layer_attention(
     layer: LayerInputs,
     rows: torch.Tensor,
@@ -121,6 +148,7 @@ def sparse_layer_attention(
     metrics: Optional[LayerMetrics],
     sink_tokens: int,
     metric_stride: int = 1,
+    stage_seconds: Optional[Dict[str, float]] = None,
 ) -> torch.Tensor:
     """Attention restricted to ``rows`` (int ``[T, W]``, engine convention): fp32 ``[H, T, D]``.
 
@@ -132,13 +160,16 @@ def sparse_layer_attention(
     in ``S``). Only every ``metric_stride``-th query row is measured. The measured rows'
     logits are computed once and give every metric and the dense output (one matmul,
     one softmax and one ``p @ v`` per chunk).
+
+    stage_seconds : adds the seconds spent on ``attention`` (mask and attention) and
+        ``metrics`` (the dense comparison) to this dict, or None.
     """
     H, T, _ = layer.query.shape
-    selected = rows_to_mask(rows, layer.key_length)  # [T, L] bool
     out = torch.empty(H, T, layer.value.shape[-1], device=layer.query.device)
+    t_metrics = 0.0
+    start = time.perf_counter()
     for c0, c1, lc in layer.chunks():
-        allowed = layer.allowed_chunk(c0, c1, lc)  # [Tc, lc]
-        sel = selected[c0:c1, :lc] & allowed
+        sel = chunk_selection_mask(layer, rows[c0:c1], c0, c1, lc)  # [Tc, lc]
         used = sel.any(dim=0)  # [lc]: keys some row of the chunk selected
         n_used = int(used.sum())  # harness code: a host sync per chunk is fine
         if n_used * COMPACT_BELOW < lc:
@@ -147,35 +178,52 @@ def sparse_layer_attention(
             out[:, c0:c1] = layer.column_attention(c0, c1, cols, sel[:, cols])
         else:
             out[:, c0:c1] = layer.masked_attention(c0, c1, lc, sel)
-        long_rows = layer.lengths[c0:c1] > width  # [Tc]
-        if metric_stride > 1:
-            long_rows &= torch.arange(c0, c1, device=long_rows.device) % metric_stride == 0
-        if metrics is None or not bool(long_rows.any()):
+        if metrics is None:
             continue
-        if bool(long_rows.all()):
-            keep, allowed_k, sel_k = None, allowed, sel
-            q = layer.query[:, c0:c1]
-        else:
-            keep = torch.nonzero(long_rows).squeeze(1)  # harness code: a host sync is fine here
-            allowed_k, sel_k = allowed[keep], sel[keep]  # [Tk, lc]
-            q = layer.query[:, c0:c1][:, keep]  # [H, Tk, D]
-        # One logits block serves every metric: dense probabilities p (softmax over the
-        # allowed keys), recall = mass of p on the selected keys, top-1 = p's argmax kept,
-        # and the dense output p @ v for the cosine difference against the sparse output.
-        logits = layer.head_dot(q, layer.key[:, :lc]) * layer.scaling  # [H, Tk, lc]
-        if layer.softcap is not None:
-            logits = torch.tanh(logits / layer.softcap) * layer.softcap
-        logits.masked_fill_(~allowed_k.unsqueeze(0), float("-inf"))
-        p = torch.softmax(logits, dim=-1)  # [H, Tk, lc]
-        del logits
-        recall = (p * sel_k.unsqueeze(0)).sum(dim=-1).mean(dim=0)  # [Tk]
-        top1 = torch.gather(sel_k, 1, p.argmax(dim=-1).transpose(0, 1)).to(torch.float32).mean(dim=1)
-        sink = sel_k[:, :sink_tokens].to(torch.float32).mean(dim=1)
-        a = layer.weighted_values(p).transpose(0, 1).flatten(1)  # [Tk, H*D]
-        b = (out[:, c0:c1] if keep is None else out[:, c0:c1][:, keep]).transpose(0, 1).flatten(1)
-        cos_diff = 1.0 - 2.0 * (a * b).sum(-1) / ((a * a).sum(-1) + (b * b).sum(-1)).clamp(min=1e-30)
-        metrics.add(layer.layer_idx, recall=recall, cos_diff=cos_diff, top1=top1, sink=sink)
+        t0 = time.perf_counter()
+        _chunk_metrics(layer, out, sel, c0, c1, lc, width, metrics, sink_tokens, metric_stride)
+        t_metrics += time.perf_counter() - t0
+    if stage_seconds is not None:
+        stage_seconds["attention"] = stage_seconds.get("attention", 0.0) + time.perf_counter() - start - t_metrics
+        stage_seconds["metrics"] = stage_seconds.get("metrics", 0.0) + t_metrics
     return out
+
+
+def _chunk_metrics(layer: LayerInputs, out: torch.Tensor, sel: torch.Tensor, c0: int, c1: int, lc: int, width: int,
+                   metrics: LayerMetrics, sink_tokens: int, metric_stride: int) -> None:
+    """Record the metrics of the measured rows of chunk ``[c0, c1)`` (see :func:`sparse_layer_attention`).
+
+    out : fp32 ``[H, T, D]`` sparse output (the chunk's rows written); sel : bool ``[Tc, lc]``.
+    """
+    long_rows = layer.lengths[c0:c1] > width  # [Tc]
+    if metric_stride > 1:
+        long_rows &= torch.arange(c0, c1, device=long_rows.device) % metric_stride == 0
+    if not bool(long_rows.any()):
+        return
+    keep = torch.nonzero(long_rows).squeeze(1)  # [Tk] harness code: a host sync is fine here
+    sel_k = sel.index_select(0, keep)  # [Tk, lc]
+    if layer.allowed is None:
+        allowed_k = torch.arange(lc, device=sel.device).unsqueeze(0) < layer.lengths[c0:c1][keep].unsqueeze(1)
+    else:
+        allowed_k = layer.allowed_chunk(c0, c1, lc).index_select(0, keep)  # [Tk, lc]
+    q = layer.query[:, c0:c1].index_select(1, keep)  # [H, Tk, D]
+    # One logits block serves every metric: dense probabilities p (softmax over the
+    # allowed keys), recall = mass of p on the selected keys, top-1 = p's argmax kept,
+    # and the dense output p @ v for the cosine difference against the sparse output.
+    # Keys and values repeated per head once per layer (expanded_key_t, expanded_value): one
+    # bmm each, not a matmul that copies the broadcast keys/values of every chunk.
+    p = layer.head_dot_into(q, layer.expanded_key_t, lc, "metric_logits").mul_(layer.scaling)  # [H, Tk, lc]
+    if layer.softcap is not None:
+        p.div_(layer.softcap).tanh_().mul_(layer.softcap)
+    p.masked_fill_(~allowed_k.unsqueeze(0), float("-inf"))
+    p = torch.ops.aten._softmax.out(p, -1, False, out=p)  # in place: torch.softmax's kernel
+    recall = (p * sel_k.unsqueeze(0)).sum(dim=-1).mean(dim=0)  # [Tk]
+    top1 = torch.gather(sel_k, 1, p.argmax(dim=-1).transpose(0, 1)).to(torch.float32).mean(dim=1)
+    sink = sel_k[:, :sink_tokens].to(torch.float32).mean(dim=1)
+    a = torch.bmm(p, layer.expanded_value[:, :lc]).transpose(0, 1).flatten(1)  # [H, Tk, D] -> [Tk, H*D]
+    b = out[:, c0:c1].index_select(1, keep).transpose(0, 1).flatten(1)
+    cos_diff = 1.0 - 2.0 * (a * b).sum(-1) / ((a * a).sum(-1) + (b * b).sum(-1)).clamp(min=1e-30)
+    metrics.add(layer.layer_idx, recall=recall, cos_diff=cos_diff, top1=top1, sink=sink)
 
 
 def gather_sparse_attention(layer: LayerInputs, rows: torch.Tensor) -> torch.Tensor:
@@ -240,11 +288,19 @@ def topology_kv_attention(module, query, key, value, attention_mask, scaling=Non
         return _model_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     layer = _layer_inputs(module, query, key, value, attention_mask, scaling, kwargs.get("softcap"), plan.query_chunk)
     stats = plan.selector_stats.setdefault(layer_idx, {})
+    timed = plan.stage_seconds
+    start = time.perf_counter()
     rows = plan.selector(layer, plan.width, stats)
+    timed["selector"] = timed.get("selector", 0.0) + time.perf_counter() - start
     if plan.check_rows:
+        start = time.perf_counter()
         # Order inside a row does not matter to attention; the policy may permute short rows.
         check_engine_rows(rows, layer.lengths, plan.width, name=f"selector rows at layer {layer_idx}",
                           ascending_short_rows=False)
-    out = sparse_layer_attention(layer, rows, plan.width, plan.metrics, plan.sink_tokens, plan.metric_stride)
+        timed["row_check"] = timed.get("row_check", 0.0) + time.perf_counter() - start
+    out = sparse_layer_attention(layer, rows, plan.width, plan.metrics, plan.sink_tokens, plan.metric_stride,
+                                 stage_seconds=timed)
     plan.sparse_layers.append(layer_idx)
+    if plan.on_layer is not None:
+        plan.on_layer(layer_idx)
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
