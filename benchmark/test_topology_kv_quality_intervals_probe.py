@@ -1,6 +1,6 @@
-"""Issue 14's pieces of the quality harness: --text, spread windows, bootstrap intervals in
-the gates, the copy probe, the gather reference of the sparse path, topology_only's recency
-default, and a model unlike SmolLM2 (tiny random Gemma-3: 4 q / 1 kv heads, head dim 256,
+"""Text windows, bootstrap intervals and the copy probe of the quality harness: --text,
+spread windows, bootstrap intervals in the gates, the copy probe, the gather reference of
+the sparse path, topology_only's recency default, and a model unlike SmolLM2 (tiny random Gemma-3: 4 q / 1 kv heads, head dim 256,
 sliding-window layers, a 262k vocabulary). No GGUF model needed; well under a minute.
 """
 
