@@ -114,24 +114,27 @@ def check_engine_rows(
                          f"{r[t, :16].tolist()}{' ...' if width > 16 else ''}")
 
 
-# Rows per block of _no_repeats: a [rows, L + 1] int32 count table (at 8k keys: 16 MB).
-_REPEAT_CHECK_ROWS = 512
+# Bytes of the count table of one block of _no_repeats (4 blocks at 8k rows x 8k keys, int16).
+_REPEAT_CHECK_BYTES = 32 << 20
 
 
 def _no_repeats(rows: torch.Tensor, key_length: int) -> torch.Tensor:
     """bool ``[T]``: no non-negative value occurs twice in the row.
 
     rows : int ``[T, W]``, entries ``-1`` or in ``[0, key_length)``. Counts each row's
-    values into an int32 table (``scatter_add_``), a block of rows at a time; ``-1`` counts
-    into a dump column that is not looked at. About 4x cheaper than summing the boolean
-    ``[T, L]`` mask (which ``sum`` widens to int64) at 8k.
+    values into a table (``scatter_add_``; int16, which no count of ``W < 32767`` entries
+    overflows), a block of rows at a time; ``-1`` counts into a dump column that is not
+    looked at. About 4x cheaper than summing the boolean ``[T, L]`` mask (which ``sum``
+    widens to int64) at 8k, in a few large ops rather than many small ones.
     """
     T, W = rows.shape
+    dtype = torch.int16 if W < torch.iinfo(torch.int16).max else torch.int32
+    block = max(1, _REPEAT_CHECK_BYTES // ((key_length + 1) * dtype.itemsize))
     out = torch.empty(T, dtype=torch.bool, device=rows.device)
-    for r0 in range(0, T, _REPEAT_CHECK_ROWS):
-        r = rows[r0:r0 + _REPEAT_CHECK_ROWS]
+    for r0 in range(0, T, block):
+        r = rows[r0:r0 + block]
         target = torch.where(r >= 0, r.to(torch.int64), key_length)  # [Tb, W]
-        counts = torch.zeros(r.shape[0], key_length + 1, dtype=torch.int32, device=rows.device)
-        counts.scatter_add_(1, target, torch.ones(1, dtype=torch.int32, device=rows.device).expand_as(target))
-        out[r0:r0 + _REPEAT_CHECK_ROWS] = counts[:, :key_length].amax(dim=1) <= 1
+        counts = torch.zeros(r.shape[0], key_length + 1, dtype=dtype, device=rows.device)
+        counts.scatter_add_(1, target, torch.ones(1, dtype=dtype, device=rows.device).expand_as(target))
+        out[r0:r0 + block] = counts[:, :key_length].amax(dim=1) <= 1
     return out

@@ -134,15 +134,21 @@ class LayerInputs:
     def causal_fill_(self, scores: torch.Tensor, c0: int, c1: int, lc: int, value: float) -> torch.Tensor:
         """Set ``scores[..., t, s] = value`` where key ``s`` lies past row ``t``'s causal length; in place.
 
-        scores : float ``[..., Tc, lc]`` of query rows ``[c0, c1)``. Only the last ``Tc``
-        columns can lie past a row's length (row ``t`` sees ``lc - (c1 - 1 - t)`` keys),
-        so only that ``[Tc, Tc]`` corner is touched, not the whole block.
+        scores : ``[..., Tc, lc]`` of query rows ``[c0, c1)``. Row ``t`` of the chunk sees
+        ``lc - Tc + t + 1`` keys, so only the last ``Tc`` columns can lie past a row's
+        length, and there the pattern is the strict upper triangle of ``[Tc, Tc]``, the
+        same for every chunk of ``Tc`` rows: one cached mask, one op per chunk.
         """
-        start = max(0, lc - (c1 - c0))
-        col = torch.arange(start, lc, device=scores.device).unsqueeze(0)  # [1, lc - start]
-        future = col >= self.lengths[c0:c1].unsqueeze(1)  # [Tc, lc - start]
-        scores[..., start:].masked_fill_(future, value)
+        Tc = c1 - c0
+        scores[..., lc - Tc:].masked_fill_(self._strict_upper(Tc), value)
         return scores
+
+    def _strict_upper(self, size: int) -> torch.Tensor:
+        """bool ``[size, size]``, ``True`` above the diagonal (cached per size)."""
+        key = f"strict_upper_{size}"
+        if key not in self._scratch:
+            self._scratch[key] = torch.ones(size, size, dtype=torch.bool, device=self.query.device).triu_(1)
+        return self._scratch[key]
 
     def dense_probabilities_into(self, c0: int, c1: int, lc: int, name: str) -> torch.Tensor:
         """:meth:`dense_probabilities` bit for bit, in the scratch buffer ``name``: fp32 ``[H, Tc, lc]``.

@@ -88,7 +88,7 @@ def top_rows_by_chunk(layer: LayerInputs, width: int, chunk_scores: ChunkScores)
     touches the ``[Tc, Tc]`` corner instead of a copy of the block, and the outputs are
     written in place instead of concatenated.
     """
-    T, device = layer.num_queries, layer.lengths.device
+    T, L, device = layer.num_queries, layer.key_length, layer.lengths.device
     rows = torch.empty(T, width, dtype=torch.int32, device=device)
     scores = torch.empty(T, width, dtype=torch.float32, device=device)
     for c0, c1, lc in layer.chunks():
@@ -99,12 +99,14 @@ def top_rows_by_chunk(layer: LayerInputs, width: int, chunk_scores: ChunkScores)
             continue
         s = layer.causal_fill_(chunk_scores(c0, c1, lc).to(torch.float32), c0, c1, lc, float("-inf"))  # [Tc, lc]
         top = torch.topk(s, width, dim=-1).indices  # [Tc, W] int64
-        long_rows = (lengths > width).unsqueeze(1)  # [Tc, 1]
-        if not bool(long_rows.all()):  # a chunk holding the last short rows (host sync: harness code)
-            top = torch.where(long_rows, top, dense_rows(lengths, width).to(torch.int64))
+        all_long = L - T + c0 + 1 > width  # the chunk's shortest row is longer than W (host arithmetic)
+        if not all_long:  # the chunk holding the last short rows
+            top = torch.where((lengths > width).unsqueeze(1), top, dense_rows(lengths, width).to(torch.int64))
         rows[c0:c1] = top
-        sc = torch.gather(s, 1, top.clamp(min=0))  # [Tc, W]: unmasked values (entries are causal)
-        scores[c0:c1] = sc.masked_fill_(top < 0, float("-inf"))
+        # Scores of the entries: the unmasked values (every entry is causal); -inf at -1.
+        sc = torch.gather(s, 1, top.clamp(min=0) if not all_long else top, out=scores[c0:c1])
+        if not all_long:
+            sc.masked_fill_(top < 0, float("-inf"))
     return rows, scores
 
 

@@ -32,7 +32,7 @@ from typing import Callable, Dict, FrozenSet, Optional
 
 import torch
 
-from benchmark.quality.index_rows import check_engine_rows
+from benchmark.quality.index_rows import check_engine_rows, rows_to_mask
 from benchmark.quality.layer import DEFAULT_QUERY_CHUNK, LayerInputs
 from benchmark.quality.metrics import LayerMetrics
 
@@ -124,21 +124,15 @@ def chunked_dense_attention(layer: LayerInputs) -> torch.Tensor:
     return out
 
 
-def chunk_selection_mask(layer: LayerInputs, rows: torch.Tensor, c0: int, c1: int, lc: int) -> torch.Tensor:
-    """bool ``[Tc, lc]``: the keys rows ``[c0, c1)`` select, within the allowed (causal, model) mask.
+def selection_mask(layer: LayerInputs, rows: torch.Tensor) -> torch.Tensor:
+    """bool ``[T, L]``: the keys each row selects, within the allowed (causal, model) mask.
 
-    rows : int ``[Tc, W]`` (the chunk's rows, ``-1`` padding, entries ``< lc``). Scattered
-    into this layer's scratch buffer (one ``[Tc, lc + 1]`` block per layer, not a ``[T, L]``
-    mask per call); valid until the next call.
+    rows : int ``[T, W]``, engine convention (``-1`` padding). One scatter and one ``tril``
+    per layer: rows are causal by the convention, and ``tril`` enforces it anyway.
     """
-    Tc = c1 - c0
-    buf = layer.scratch("selection_mask", (Tc, lc + 1), torch.bool).zero_()
-    target = torch.where(rows >= 0, rows.to(torch.int64), lc)  # [Tc, W]: -1 -> a dump column
-    sel = buf.scatter_(1, target, True)[:, :lc]
-    if layer.allowed is None:
-        # Rows are causal by the convention; the [Tc, Tc] corner is all that can break it.
-        return layer.causal_fill_(sel, c0, c1, lc, False)
-    return sel.logical_and_(layer.allowed_chunk(c0, c1, lc))
+    T, L = layer.num_queries, layer.key_length
+    sel = rows_to_mask(rows, L).tril(L - T)  # [T, L]: key s <= L - T + t, i.e. s < lengths[t]
+    return sel if layer.allowed is None else sel.logical_and_(layer.allowed)
 
 
 def sparse_layer_attention(
@@ -159,71 +153,83 @@ def sparse_layer_attention(
     argmax key is in ``S``); sink retention (share of the first ``sink_tokens`` positions
     in ``S``). Only every ``metric_stride``-th query row is measured. The measured rows'
     logits are computed once and give every metric and the dense output (one matmul,
-    one softmax and one ``p @ v`` per chunk).
+    one softmax and one ``p @ v`` per block of measured rows).
 
     stage_seconds : adds the seconds spent on ``attention`` (mask and attention) and
         ``metrics`` (the dense comparison) to this dict, or None.
+
+    Few ops per layer, not per chunk: the mask and each chunk's count of selected keys are
+    built once per layer, and the metrics run over blocks of up to ``query_chunk`` measured
+    rows (2 blocks per layer at 8k and stride 16, not 32 chunks). On 2 cores shared with
+    other jobs every op costs milliseconds of thread synchronisation, whatever its size.
     """
     H, T, _ = layer.query.shape
-    out = torch.empty(H, T, layer.value.shape[-1], device=layer.query.device)
-    t_metrics = 0.0
     start = time.perf_counter()
-    for c0, c1, lc in layer.chunks():
-        sel = chunk_selection_mask(layer, rows[c0:c1], c0, c1, lc)  # [Tc, lc]
-        used = sel.any(dim=0)  # [lc]: keys some row of the chunk selected
-        n_used = int(used.sum())  # harness code: a host sync per chunk is fine
-        if n_used * COMPACT_BELOW < lc:
+    out = torch.empty(H, T, layer.value.shape[-1], device=layer.query.device)
+    sel = selection_mask(layer, rows)  # [T, L]
+    chunks = list(layer.chunks())
+    Tc = layer.query_chunk
+    full = T // Tc
+    used = sel[: full * Tc].view(full, Tc, sel.shape[1]).any(dim=1)  # [full chunks, L]: keys a row of the chunk selected
+    if full * Tc < T:
+        used = torch.cat([used, sel[full * Tc:].any(dim=0, keepdim=True)])  # the partly filled last chunk
+    n_used = used.sum(dim=1).tolist()  # harness code: one host sync per layer
+    for i, (c0, c1, lc) in enumerate(chunks):
+        if n_used[i] * COMPACT_BELOW < lc:
             # Few distinct keys (locality-like rows, long contexts): attend over those columns only.
-            cols = torch.nonzero(used).squeeze(1)
-            out[:, c0:c1] = layer.column_attention(c0, c1, cols, sel[:, cols])
+            cols = torch.nonzero(used[i, :lc]).squeeze(1)
+            out[:, c0:c1] = layer.column_attention(c0, c1, cols, sel[c0:c1].index_select(1, cols))
         else:
-            out[:, c0:c1] = layer.masked_attention(c0, c1, lc, sel)
-        if metrics is None:
-            continue
-        t0 = time.perf_counter()
-        _chunk_metrics(layer, out, sel, c0, c1, lc, width, metrics, sink_tokens, metric_stride)
-        t_metrics += time.perf_counter() - t0
+            out[:, c0:c1] = layer.masked_attention(c0, c1, lc, sel[c0:c1, :lc])
+    t_attention = time.perf_counter() - start
+    if metrics is not None:
+        start = time.perf_counter()
+        _layer_metrics(layer, out, sel, width, metrics, sink_tokens, metric_stride)
+        if stage_seconds is not None:
+            stage_seconds["metrics"] = stage_seconds.get("metrics", 0.0) + time.perf_counter() - start
     if stage_seconds is not None:
-        stage_seconds["attention"] = stage_seconds.get("attention", 0.0) + time.perf_counter() - start - t_metrics
-        stage_seconds["metrics"] = stage_seconds.get("metrics", 0.0) + t_metrics
+        stage_seconds["attention"] = stage_seconds.get("attention", 0.0) + t_attention
+        stage_seconds.setdefault("metrics", 0.0)
     return out
 
 
-def _chunk_metrics(layer: LayerInputs, out: torch.Tensor, sel: torch.Tensor, c0: int, c1: int, lc: int, width: int,
-                   metrics: LayerMetrics, sink_tokens: int, metric_stride: int) -> None:
-    """Record the metrics of the measured rows of chunk ``[c0, c1)`` (see :func:`sparse_layer_attention`).
+def _layer_metrics(layer: LayerInputs, out: torch.Tensor, sel: torch.Tensor, width: int, metrics: LayerMetrics,
+                   sink_tokens: int, metric_stride: int) -> None:
+    """Record the metrics of the measured rows (see :func:`sparse_layer_attention`).
 
-    out : fp32 ``[H, T, D]`` sparse output (the chunk's rows written); sel : bool ``[Tc, lc]``.
+    out : fp32 ``[H, T, D]`` sparse output; sel : bool ``[T, L]`` selection mask. Measured
+    rows: longer than ``W``, at ``t % metric_stride == 0``; in blocks of up to
+    ``query_chunk`` rows, each against the keys its last row can reach.
     """
-    long_rows = layer.lengths[c0:c1] > width  # [Tc]
-    if metric_stride > 1:
-        long_rows &= torch.arange(c0, c1, device=long_rows.device) % metric_stride == 0
-    if not bool(long_rows.any()):
-        return
-    keep = torch.nonzero(long_rows).squeeze(1)  # [Tk] harness code: a host sync is fine here
-    sel_k = sel.index_select(0, keep)  # [Tk, lc]
-    if layer.allowed is None:
-        allowed_k = torch.arange(lc, device=sel.device).unsqueeze(0) < layer.lengths[c0:c1][keep].unsqueeze(1)
-    else:
-        allowed_k = layer.allowed_chunk(c0, c1, lc).index_select(0, keep)  # [Tk, lc]
-    q = layer.query[:, c0:c1].index_select(1, keep)  # [H, Tk, D]
-    # One logits block serves every metric: dense probabilities p (softmax over the
-    # allowed keys), recall = mass of p on the selected keys, top-1 = p's argmax kept,
-    # and the dense output p @ v for the cosine difference against the sparse output.
-    # Keys and values repeated per head once per layer (expanded_key_t, expanded_value): one
-    # bmm each, not a matmul that copies the broadcast keys/values of every chunk.
-    p = layer.head_dot_into(q, layer.expanded_key_t, lc, "metric_logits").mul_(layer.scaling)  # [H, Tk, lc]
-    if layer.softcap is not None:
-        p.div_(layer.softcap).tanh_().mul_(layer.softcap)
-    p.masked_fill_(~allowed_k.unsqueeze(0), float("-inf"))
-    p = torch.ops.aten._softmax.out(p, -1, False, out=p)  # in place: torch.softmax's kernel
-    recall = (p * sel_k.unsqueeze(0)).sum(dim=-1).mean(dim=0)  # [Tk]
-    top1 = torch.gather(sel_k, 1, p.argmax(dim=-1).transpose(0, 1)).to(torch.float32).mean(dim=1)
-    sink = sel_k[:, :sink_tokens].to(torch.float32).mean(dim=1)
-    a = torch.bmm(p, layer.expanded_value[:, :lc]).transpose(0, 1).flatten(1)  # [H, Tk, D] -> [Tk, H*D]
-    b = out[:, c0:c1].index_select(1, keep).transpose(0, 1).flatten(1)
-    cos_diff = 1.0 - 2.0 * (a * b).sum(-1) / ((a * a).sum(-1) + (b * b).sum(-1)).clamp(min=1e-30)
-    metrics.add(layer.layer_idx, recall=recall, cos_diff=cos_diff, top1=top1, sink=sink)
+    T, L = layer.num_queries, layer.key_length
+    t = torch.arange(T, device=sel.device)
+    measured = (layer.lengths > width) & (t % metric_stride == 0)  # [T]
+    keep_all = torch.nonzero(measured).squeeze(1)  # [M] harness code: a host sync is fine here
+    for b0 in range(0, keep_all.numel(), layer.query_chunk):
+        keep = keep_all[b0:b0 + layer.query_chunk]  # [Tk]
+        lc = L - T + int(keep[-1]) + 1  # the keys the block's last (longest) row can reach
+        sel_k = sel.index_select(0, keep)[:, :lc]  # [Tk, lc]
+        allowed_k = torch.arange(lc, device=sel.device).unsqueeze(0) < layer.lengths[keep].unsqueeze(1)
+        if layer.allowed is not None:
+            allowed_k &= layer.allowed.index_select(0, keep)[:, :lc]
+        q = layer.query.index_select(1, keep)  # [H, Tk, D]
+        # One logits block serves every metric: dense probabilities p (softmax over the
+        # allowed keys), recall = mass of p on the selected keys, top-1 = p's argmax kept,
+        # and the dense output p @ v for the cosine difference against the sparse output.
+        # Keys and values repeated per head once per layer (expanded_key_t, expanded_value):
+        # one bmm each, not a matmul that copies the broadcast keys/values of every block.
+        p = layer.head_dot_into(q, layer.expanded_key_t, lc, "metric_logits").mul_(layer.scaling)  # [H, Tk, lc]
+        if layer.softcap is not None:
+            p.div_(layer.softcap).tanh_().mul_(layer.softcap)
+        p.masked_fill_(~allowed_k.unsqueeze(0), float("-inf"))
+        p = torch.ops.aten._softmax.out(p, -1, False, out=p)  # in place: torch.softmax's kernel
+        recall = (p * sel_k.unsqueeze(0)).sum(dim=-1).mean(dim=0)  # [Tk]
+        top1 = torch.gather(sel_k, 1, p.argmax(dim=-1).transpose(0, 1)).to(torch.float32).mean(dim=1)
+        sink = sel_k[:, :sink_tokens].to(torch.float32).mean(dim=1)
+        a = torch.bmm(p, layer.expanded_value[:, :lc]).transpose(0, 1).flatten(1)  # [H, Tk, D] -> [Tk, H*D]
+        b = out.index_select(1, keep).transpose(0, 1).flatten(1)
+        cos_diff = 1.0 - 2.0 * (a * b).sum(-1) / ((a * a).sum(-1) + (b * b).sum(-1)).clamp(min=1e-30)
+        metrics.add(layer.layer_idx, recall=recall, cos_diff=cos_diff, top1=top1, sink=sink)
 
 
 def gather_sparse_attention(layer: LayerInputs, rows: torch.Tensor) -> torch.Tensor:
