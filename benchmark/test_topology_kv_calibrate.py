@@ -149,6 +149,16 @@ def test_calibrating_a_tiny_model_gives_a_profile_serving_accepts(tmp_path):
         if indexer.topology.enabled:
             assert indexer.topology.policy.max_structural_fraction == entry["max_structural_fraction"]
             assert indexer.topology.policy.local_blocks == entry["local_blocks"]
+    # The harness's "profile" selector runs it inside the model's forward; with every layer
+    # skipped it is the learned selector exactly, otherwise the kept structure changes the loss.
+    from benchmark.quality.runner import GridSettings, run_grid
+
+    grid_settings = GridSettings(contexts=(192,), budgets=(Fraction(1, 4),), selectors=("learned", "profile"),
+                                 profile=loaded)
+    grid = run_grid(lm, {192: windows[192]}, grid_settings, progress=False)
+    learned_ppl, profile_ppl = (grid.cell(192, Fraction(1, 4), n).ppl for n in ("learned", "profile"))
+    skipped_all = all(profile["layers"][str(layer)]["1/4"]["max_structural_fraction"] == 0 for layer in (0, 2))
+    assert (profile_ppl == learned_ppl) == skipped_all, (profile_ppl, learned_ppl, skipped_all)
     table = format_table(profile)
     assert table.splitlines()[0] == "| layer | W = 1/8 | W = 1/4 |" and "| 2 |" in table
     plot_shares(profile, tmp_path / "share_kept.png")
@@ -175,6 +185,21 @@ def test_cli_rejects_bad_flags_before_loading(capsys):
     assert topology_kv_calibrate.main(["--margin", "2"]) == 2
     assert "margin" in capsys.readouterr().err
     assert topology_kv_calibrate.main(["--budgets", "3/2"]) == 2
+
+
+def test_quality_cli_rejects_profile_flags_before_loading(tmp_path):
+    from benchmark.quality.cli import build_parser, resolve_args
+    from benchmark.quality.errors import UsageError
+
+    parse = build_parser().parse_args
+    with pytest.raises(UsageError, match="'profile' needs --profile FILE"):
+        resolve_args(parse(["--selectors", "learned,profile", "--out-dir", str(tmp_path)]))
+    with pytest.raises(UsageError, match="--profile: no such file"):
+        resolve_args(parse(["--profile", str(tmp_path / "missing.json"), "--out-dir", str(tmp_path)]))
+    (tmp_path / "p.json").write_text("{}")
+    cfg = resolve_args(parse(["--selectors", "learned", "--profile", str(tmp_path / "p.json"),
+                              "--out-dir", str(tmp_path)]))
+    assert cfg["selectors"] == ("learned", "profile") and "profile" in cfg["policy_modes"]
 
 
 def test_profile_selector_takes_each_layers_entry():

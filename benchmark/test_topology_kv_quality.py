@@ -422,6 +422,28 @@ def test_gate_verdicts():
     assert evaluate_gate(grid_no_nulls, ["good"], GateThresholds())[0].status == "INCOMPLETE"
 
 
+def test_topology_only_must_never_lose_to_locality_and_a_tie_is_not_a_loss():
+    """topology_only at the engine defaults *is* locality (recency witnesses), so against
+    locality its check is "never worse"; every other mode must be strictly better."""
+    dense = {2048: DenseResult(2048, nll_sum=0.0, tokens=1)}
+    b = Fraction(1, 4)
+
+    def cell(name, ppl):
+        import math
+        return CellResult(2048, b, 512, name, nll_sum=math.log(ppl), tokens=1)
+
+    def locality_check(only_ppl, mode="topology_only"):
+        grid = GridResult(dense, [cell("learned", 1.005), cell("locality", 1.2), cell(mode, only_ppl)], {})
+        checks = evaluate_gate(grid, [mode], GateThresholds())[0].checks
+        return next(c for c in checks if "locality" in c.name)
+
+    tie = locality_check(1.2)
+    assert tie.passed is True and tie.name.startswith("ppl <= locality")
+    assert locality_check(1.2001).passed is False  # a loss, however small, fails
+    assert locality_check(1.1).passed is True
+    assert locality_check(1.2, mode="topology_sparse_merge").passed is False  # the merge modes must win
+
+
 # ----------------------------------------------------------------------------- text and flags
 
 

@@ -17,13 +17,13 @@ import torch
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.gate import GateThresholds, evaluate_gate, format_gate
 from benchmark.quality.model import load_gguf_model
-from benchmark.quality.paths import default_data_dir, user_path
+from benchmark.quality.paths import default_data_dir, file_sha256, user_path
 from benchmark.quality.policy_selectors import PolicySettings, policy_mode_names
 from benchmark.quality.raised_gate import evaluate_raised_gate, format_raised_gate, raised_gate_selectors
 from benchmark.quality.report import markdown_report, write_outputs
 from benchmark.quality.runner import GridSettings, run_grid, select_all_self_check
 from benchmark.quality.selector_base import SelectorSettings
-from benchmark.quality.selectors import resolve_selector_names
+from benchmark.quality.selectors import PROFILE_SELECTOR, resolve_selector_names
 from benchmark.quality.sparse_attention import STAGES
 from benchmark.quality.probe import (DEFAULT_DISTANCES, DEFAULT_SEGMENT, ProbeSettings, make_probe_window,
                                      probe_layout, probe_summary)
@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--text", default=None, metavar="FILE",
                    help="any UTF-8 text file as the source of the windows instead of an Austen novel "
                         "(its sha256 goes into the report and results.json)")
+    g.add_argument("--profile", default=None, metavar="FILE",
+                   help="a calibrated per-layer profile (docs/profile.md, benchmark/topology_kv_calibrate.py): "
+                        "adds the selector 'profile' (its policy with each layer's own structure) and gates it "
+                        "like a policy mode; refused if made for another model")
     g.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
                    help=f"text windows per context, spread over the text (default {DEFAULT_WINDOWS})")
     g.add_argument("--window-seed", type=int, default=0, help="seed of the window start positions")
@@ -175,6 +179,15 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
     selectors = resolve_selector_names(args.selectors)
     if args.raised_gate:
         selectors = tuple(raised_gate_selectors(selectors))
+    profile_path = None
+    if args.profile is not None:
+        profile_path = user_path(args.profile)
+        if not profile_path.is_file():
+            raise UsageError(f"--profile: no such file {profile_path}")
+        if PROFILE_SELECTOR not in selectors:
+            selectors = selectors + (PROFILE_SELECTOR,)
+    elif PROFILE_SELECTOR in selectors:
+        raise UsageError(f"--selectors: {PROFILE_SELECTOR!r} needs --profile FILE")
     if args.windows < 1:
         raise UsageError(f"--windows: expected >= 1, got {args.windows}")
     for flag in ("bootstrap_chunk", "bootstrap_samples"):
@@ -220,7 +233,7 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         structural_budget=args.policy_structural_budget,
         witness_signal=args.policy_witness_signal,
     )
-    modes = [s for s in selectors if s in policy_mode_names()]
+    modes = [s for s in selectors if s in policy_mode_names() or s == PROFILE_SELECTOR]
     for m in policy_mode_names():
         policy.for_mode(m).config(m)  # validates the policy flags now, not after the model has loaded
     gate = GateThresholds(
@@ -234,6 +247,7 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         "selectors": selectors,
         "policy_modes": tuple(modes),
         "model_path": model_path,
+        "profile_path": profile_path,
         "selector_settings": SelectorSettings(
             seed=args.seed, sink_tokens=args.sink_tokens, lowrank_dims=args.lowrank_dims, fp8=not args.no_fp8),
         "policy_settings": policy,
@@ -357,6 +371,15 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             raise UsageError(f"--contexts: {ctx} exceeds the model's max_position_embeddings {max_pos}")
     if not lm.full_attention_layers:
         raise UsageError("--model: the model has no full-attention layer to make sparse")
+    profile = None
+    if cfg["profile_path"] is not None:
+        from benchmark.quality.calibration import model_fingerprint
+        from rtp_llm.models_py.modules.hybrid.topology_kv_profile import load_topology_profile
+
+        try:
+            profile = load_topology_profile(cfg["profile_path"], model_fingerprint=model_fingerprint(lm))
+        except ValueError as exc:
+            raise UsageError(f"--profile: {exc}") from exc
     token_ids = lm.tokenizer(source_text, add_special_tokens=False).input_ids
     windows = {
         ctx: sample_windows(token_ids, text_name, ctx, args.windows, args.window_seed) for ctx in cfg["contexts"]
@@ -367,6 +390,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         selectors=cfg["selectors"],
         selector_settings=cfg["selector_settings"],
         policy_settings=cfg["policy_settings"],
+        profile=profile,
         query_chunk=args.query_chunk,
         logits_chunk=args.logits_chunk,
         metric_sink_tokens=args.sink_tokens,
@@ -393,6 +417,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
                  "window_seed": args.window_seed, "source": text_source, "add_special_tokens": False,
                  "file": None if cfg["text_path"] is None else str(cfg["text_path"]),
                  "sha256": text_source.get("sha256") if cfg["text_path"] is not None else None},
+        "profile": None if cfg["profile_path"] is None else {
+            "file": str(cfg["profile_path"]), "sha256": file_sha256(cfg["profile_path"])},
         "bootstrap": vars(cfg["bootstrap"]),
         "probe": None if cfg["probe"] is None else {
             "segment": cfg["probe"].segment, "distances": [str(f) for f in cfg["probe"].distances],

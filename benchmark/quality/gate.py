@@ -8,7 +8,10 @@ Checks for a policy mode (perplexity over the whole text window, every context r
    ``ppl(mode) / ppl(learned)`` is ``<= 1 + max_regression_vs_learned`` (0.2 %) at every
    budget;
 3. better than the null models: the upper bound of the interval of
-   ``ppl(mode) / ppl(locality)`` (and ``random``) is ``< 1`` at every budget.
+   ``ppl(mode) / ppl(locality)`` (and ``random``) is ``< 1`` at every budget. For
+   ``topology_only`` against ``locality`` the check is *never worse* (upper bound ``<= 1``):
+   at the engine's defaults (recency witnesses) its rows are plain locality by construction
+   (tested bit for bit), so "strictly better" cannot hold; issue 14 asks that it never lose.
 
 Intervals: :mod:`benchmark.quality.intervals` (paired chunk bootstrap over the text
 windows); without per-token losses they collapse to the point estimates.
@@ -26,6 +29,8 @@ from typing import List, Optional, Sequence, Tuple
 from benchmark.quality.runner import GridResult
 
 NULL_MODELS = ("locality", "random")
+# (mode, null model) pairs checked as "never worse" (upper bound <= 1) instead of "better".
+NEVER_WORSE = (("topology_only", "locality"),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +100,7 @@ def evaluate_gate(grid: GridResult, modes: Sequence[str], thresholds: GateThresh
                 checks.append(Check(name, None if (ok and missing) else ok, ", ".join(parts)))
         # 3. better than each null model at every budget.
         for null in NULL_MODELS:
+            never_worse = (mode, null) in NEVER_WORSE
             for ctx in contexts:
                 parts, ok, measured = [], True, False
                 for b in budgets:
@@ -103,10 +109,10 @@ def evaluate_gate(grid: GridResult, modes: Sequence[str], thresholds: GateThresh
                         continue
                     measured = True
                     iv = grid.interval(ctx, b, mode, null)
-                    better = iv.hi < 1.0
-                    ok &= better
+                    ok &= iv.hi <= 1.0 if never_worse else iv.hi < 1.0
                     parts.append(f"{b}: {mine.ppl:.3f} vs {base.ppl:.3f}, ratio {iv.describe()}")
-                name = f"ppl < {null} at every budget (95% CI of ppl/{null} below 1; ctx {ctx})"
+                name = (f"ppl <= {null} at every budget (95% CI of ppl/{null} at most 1; ctx {ctx})" if never_worse
+                        else f"ppl < {null} at every budget (95% CI of ppl/{null} below 1; ctx {ctx})")
                 detail = ", ".join(parts) or f"not measured ({null} not run)"
                 checks.append(Check(name, ok if measured else None, detail))
         verdicts.append(Verdict(mode, tuple(checks)))

@@ -41,6 +41,8 @@ class GridSettings:
     # Measure per-layer metrics on every n-th query row; None = :func:`auto_metric_stride`.
     metric_stride: Optional[int] = 1
     bootstrap: BootstrapSettings = BootstrapSettings()
+    # A loaded TopologyKVProfile for the "profile" selector (docs/profile.md), or None.
+    profile: Optional[object] = None
 
     def stride_for(self, context: int) -> int:
         """The metric stride at ``context`` tokens."""
@@ -232,7 +234,10 @@ def run_grid(
     """
     from tqdm import tqdm
 
-    selectors = {n: make_selector(n, settings.selector_settings, settings.policy_settings) for n in settings.selectors}
+    selectors = {
+        n: make_selector(n, settings.selector_settings, settings.policy_settings, profile=settings.profile)
+        for n in settings.selectors
+    }
     full_layers = frozenset(lm.full_attention_layers)
     probes = probes or {}
     total = sum(len(w) * (1 + len(settings.budgets) * len(selectors)) for w in windows.values())

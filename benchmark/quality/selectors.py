@@ -14,6 +14,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from benchmark.quality import failure_modes, policy_selectors
+from benchmark.quality.profile_selectors import make_profile_selector
 from benchmark.quality.errors import UsageError
 from benchmark.quality.index_rows import dense_rows
 from benchmark.quality.layer import LayerInputs
@@ -102,6 +103,8 @@ def make_random(settings: SelectorSettings) -> Selector:
 
 BUILTIN_SELECTORS = ("oracle", "learned", "learned-lowrank", "locality", "random")
 TEST_ONLY_SELECTORS = ("all",)
+# The policy with a calibrated per-layer profile (docs/profile.md); only with ``--profile FILE``.
+PROFILE_SELECTOR = "profile"
 
 
 def available_selectors() -> Tuple[str, ...]:
@@ -114,9 +117,17 @@ def make_selector(
     settings: SelectorSettings,
     policy_settings: Optional[policy_selectors.PolicySettings] = None,
     failure_settings: Optional[failure_modes.FailureSettings] = None,
+    profile=None,
 ) -> Selector:
-    """The selector called ``name`` (case-insensitive); unknown names list the valid ones."""
+    """The selector called ``name`` (case-insensitive); unknown names list the valid ones.
+
+    ``profile``: a loaded ``TopologyKVProfile``, needed by :data:`PROFILE_SELECTOR` only.
+    """
     key = name.strip().lower()
+    if key == PROFILE_SELECTOR:
+        if profile is None:
+            raise UsageError(f"--selectors: {PROFILE_SELECTOR!r} needs a profile (--profile FILE)")
+        return make_profile_selector(profile, settings, policy_settings)
     if key == "oracle":
         return select_oracle
     if key == "learned":
@@ -157,7 +168,7 @@ def resolve_selector_names(names: Optional[str]) -> Tuple[str, ...]:
     if names is None or names.strip().lower() in ("", "default", "all-selectors"):
         return available_selectors()
     out = []
-    valid = available_selectors() + TEST_ONLY_SELECTORS
+    valid = available_selectors() + TEST_ONLY_SELECTORS + (PROFILE_SELECTOR,)
     for raw in names.split(","):
         key = raw.strip().lower()
         if not key:
