@@ -216,27 +216,10 @@ def plot_e2e(payload: Dict, path: Path) -> Path:
 
 
 def plot_e2e_batch(payload: Dict, path: Path) -> Path:
-    """Median step time vs batch size, one line per variant, one panel per context."""
-    plt = _plt()
-    rows = [r for r in payload["rows"] if r["rows_per_request"] == 1] or payload["rows"]
-    contexts = sorted({r["context"] for r in rows})
-    variants = list(dict.fromkeys(r["variant"] for r in rows))
-    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4.2), squeeze=False)
-    for ax, ctx in zip(axes[0], contexts):
-        for v in variants:
-            pts = sorted((r["batch"], r["step_ms_median"]) for r in rows if r["context"] == ctx and r["variant"] == v)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=v)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch (requests)")
-        ax.set_title(f"context {ctx}")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("ms per decode step (median)")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"Decode step time vs batch (proxy indexer {payload.get('indexer', {}).get('preset', '?')})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    """Median step time vs batch size per variant (the e2e benchmark's own plot)."""
+    from benchmark.e2e.report import plot_step_vs_batch
+
+    return plot_step_vs_batch(payload["rows"], path)
 
 
 # ---------------------------------------------------------------------------------------
