@@ -30,6 +30,11 @@ FRACTION``
 ``RTP_LLM_TOPOLOGY_KV_WITNESS_SIGNAL``      auto, key_drift, recency     auto (recency for
                                                                          topology_only,
                                                                          key_drift otherwise)
+``RTP_LLM_TOPOLOGY_KV_PROFILE``             path of a per-layer profile  unset (no profile)
+                                            (read by the ``Indexer``,
+                                            ``topology_kv_profile``)
+``RTP_LLM_TOPOLOGY_KV_PROFILE_BUDGET``      one of the profile's         nearest calibrated
+                                            budgets, e.g. 1/16           budget to W / context
 =========================================== ============================ ==================
 
 ``fallback_disabled`` is the serving default because ``raise`` reads values on the host
