@@ -135,6 +135,11 @@ def plot_step_vs_batch(rows: List[Row], path: Path) -> Path:
 
     panels = sorted({(r["context"], r["rows_per_request"]) for r in rows})
     runs = list(dict.fromkeys(run_key(r) for r in rows))
+    # One colour per variant and one line style per run (preset, budget), so a variant
+    # reads the same in every panel and two presets never share a line's look.
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    colours = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
+    styles = {key: ("-", "--", ":", "-.")[i % 4] for i, key in enumerate(runs)}
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
     for ax, (ctx, T) in zip(axes[0], panels):
         here = [r for r in rows if (r["context"], r["rows_per_request"]) == (ctx, T)]
@@ -142,7 +147,8 @@ def plot_step_vs_batch(rows: List[Row], path: Path) -> Path:
             for v in dict.fromkeys(r["variant"] for r in here if run_key(r) == key):
                 pts = sorted((r["batch"], r["step_ms_median"]) for r in here if run_key(r) == key and r["variant"] == v)
                 label = v if len(runs) == 1 else f"{v} [{key[0]}, W={key[3]}]"
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle=styles[key],
+                        color=colours[v], label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch (requests)")
         ax.set_title(f"context {ctx}" + (f", {T} rows per request" if T > 1 else ""))
