@@ -751,6 +751,21 @@ def test_drift_table_shorter_than_a_row_makes_the_row_broken(mode):
         apply_topology_kv_policy(x, _t([40, 12]), config=_cfg(mode), block_drift_scores=drift)
 
 
+def test_a_row_longer_than_the_drift_table_is_named_for_the_table_not_a_duplicate():
+    # Found by hypothesis on a fresh clone: the bitmap duplicate check (sized by the drift
+    # table) wrapped 32 onto 0 in this row of 40 tokens against a 2-block table, so the
+    # host check named "duplicate" first and then found no duplicate to print
+    # (StopIteration). The row is broken by the drift rule, which must be the one named.
+    x = _t([[-1, -1, -1, -1, -1], [0, 32, 2, 3, -1]])
+    drift = torch.ones(2, 2, device=DEVICE)
+    cfg = TopologyKVPolicyConfig(policy="topology_sparse_merge", block_size=1, sink_tokens=None,
+                                 coordinate_mismatch_action="raise")
+    with pytest.raises(ValueError, match="block_drift_scores: row 1 needs 40 blocks .* the table has 2"):
+        apply_topology_kv_policy(x, _t([2, 40]), config=cfg, block_drift_scores=drift)
+    with pytest.raises(ValueError, match="block_drift_scores: row 1 needs 40 blocks"):
+        check_topk_coordinates(x, _t([2, 40]), drift_blocks=2, block_size=1)
+
+
 def _broken_row(row, length, off, dtype, table_blocks, bs):
     """The broken-row rule, written out (docs/architecture.md, "The policy's contract")."""
     if off < 0 or length <= 0 or off + length - 1 > torch.iinfo(dtype).max:

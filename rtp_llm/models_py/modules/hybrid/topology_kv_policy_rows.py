@@ -17,7 +17,11 @@ def any_per_row(mask: torch.Tensor) -> torch.Tensor:
     return mask.contiguous().view(torch.uint8).any(dim=1) != 0
 
 
-VIOLATIONS = ("offset", "length", "overflow", "interval", "padding", "duplicate", "drift")
+# In the order the host check names them. "duplicate" is last: with a drift table it is a
+# bitmap over the table's positions, exact only for rows every other rule lets through
+# (a row longer than the table may flag a duplicate it does not hold; it is broken anyway,
+# and the message must name the rule it really breaks).
+VIOLATIONS = ("offset", "length", "overflow", "interval", "padding", "drift", "duplicate")
 
 
 def row_violations(
