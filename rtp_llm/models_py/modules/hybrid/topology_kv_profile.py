@@ -186,15 +186,8 @@ class TopologyKVProfile:
         entry = self.setting(layer_idx, budget)
         if entry is None or entry.skipped:
             return dataclasses.replace(base, policy=TopologyKVPolicyMode.DISABLED, block_size=self.block_size)
-        return dataclasses.replace(
-            base,
-            policy=self.policy,
-            block_size=self.block_size,
-            max_structural_fraction=entry.max_structural_fraction,
-            sink_tokens=entry.sink_tokens,
-            local_blocks=entry.local_blocks,
-            witness_blocks=entry.witness_blocks,
-        )
+        # The entry's four fields are TopologyKVPolicyConfig's own names.
+        return dataclasses.replace(base, policy=self.policy, block_size=self.block_size, **entry.to_json())
 
 
 # ----------------------------------------------------------------------------- loading
