@@ -80,7 +80,7 @@ def test_structure_is_kept_only_past_the_margin(ratio, kept):
     settings = dataclasses.replace(SMALL, component_sets=parse_components("sinks"), shares=(Fraction(1, 8),))
     choice = choose(_measurements(0.01, 0.01 * ratio), [0], settings)[0][Fraction(1, 4)]
     assert choice.candidate == (Candidate(Fraction(1, 8), frozenset({"sinks"})) if kept else Candidate(Fraction(0)))
-    assert choice.learned_error == pytest.approx(0.01)
+    assert choice.baseline_error == pytest.approx(0.01) and choice.baseline == Candidate(Fraction(0))
 
 
 def test_unmeasured_budget_keeps_the_learned_rows():
@@ -174,7 +174,7 @@ def test_the_default_margin_never_keeps_structure_that_loses(tmp_path):
                         progress=False)
     for per_budget in profile["measurements"].values():
         for m in per_budget.values():
-            assert m["chosen_cos_diff"] <= m["learned_cos_diff"] * (1 - settings.margin) or m["chosen"] == "learned"
+            assert m["chosen_cos_diff"] <= m["baseline_cos_diff"] * (1 - settings.margin) or m["chosen"] == "learned"
 
 
 def test_cli_rejects_bad_flags_before_loading(capsys):
@@ -226,3 +226,104 @@ def test_profile_selector_takes_each_layers_entry():
     assert torch.equal(out, expected)
     assert not torch.equal(out, learned_rows_and_scores(kept, WIDTH, SelectorSettings())[0])
     assert bool((out[WIDTH:, :] == 0).any(dim=1).all()), "long rows keep sink token 0"
+
+
+# ------------------------------------------------------------------------- topology_only
+
+ONLY_SMALL = dataclasses.replace(SMALL, policy="topology_only", sink_options=(0, 1, 4, 16))
+
+
+def test_topology_only_candidates_start_from_locality_and_its_rows_are_locality():
+    from benchmark.quality.selectors import make_locality
+    from benchmark.quality.selector_base import SelectorSettings
+
+    cands = ONLY_SMALL.candidates()
+    assert [c.name for c in cands] == ["sinks=4", "sinks=0", "sinks=1", "sinks=16"]
+    assert ONLY_SMALL.resolved_witness_signal == "recency" and SMALL.resolved_witness_signal == "key_drift"
+    layer = synthetic_layer(seed=3, layer_idx=2)
+    rows = candidate_rows(layer, WIDTH, ONLY_SMALL, cands)
+    newest = make_locality(SelectorSettings(sink_tokens=1))(layer, WIDTH, {}).clone()  # hand-made "sinks=0":
+    long_rows = layer.lengths > WIDTH
+    newest[long_rows, 0] = (layer.lengths[long_rows] - WIDTH).to(newest.dtype)  # token 0 -> the W-th newest
+    for n in (0, 1, 4, 16):
+        locality = newest if n == 0 else make_locality(SelectorSettings(sink_tokens=n))(layer, WIDTH, {})
+        # same sets per row (the engine orders a row sinks, then newest first)
+        assert torch.equal(torch.sort(rows[f"sinks={n}"], dim=1).values, torch.sort(locality, dim=1).values), n
+    assert not torch.equal(rows["sinks=0"], rows["sinks=16"])
+    setting = cands[1].setting(4, 1, 1)
+    assert setting.to_json() == {"max_structural_fraction": 1.0, "sink_tokens": 0, "local_blocks": 1,
+                                 "witness_blocks": 0}
+
+
+def test_topology_only_keeps_locality_unless_another_sink_count_beats_it_by_the_margin():
+    m = Measurements()
+    m.add(0, Fraction(1, 4), 150, "sinks=4", (0.10, 9.0, 10))
+    m.add(0, Fraction(1, 4), 150, "sinks=0", (0.097, 9.0, 10))  # 3% better: below the margin
+    m.add(0, Fraction(1, 4), 150, "sinks=16", (0.2, 9.0, 10))
+    choice = choose(m, [0], ONLY_SMALL)[0][Fraction(1, 4)]
+    assert choice.candidate.only_sinks == 4 and choice.best_other.only_sinks == 0
+    m.add(0, Fraction(1, 4), 150, "sinks=1", (0.08, 9.0, 10))  # 20% better: kept
+    assert choose(m, [0], ONLY_SMALL)[0][Fraction(1, 4)].candidate.only_sinks == 1
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(policy="topology_compress_sparse"), "policy: expected one of"),
+    (dict(witness_signal="query_mass"), "witness_signal: expected default, key_drift or recency"),
+    (dict(sink_options=()), "sink_options: expected a non-empty list"),
+    (dict(sink_options=(4, -1)), "sink_options: expected a non-empty list of integers >= 0"),
+])
+def test_bad_policy_settings_name_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(SMALL, **change)
+
+
+def test_a_topology_only_profile_is_served_and_never_worse_than_locality_by_construction(tmp_path):
+    from benchmark.quality.gate import GateThresholds, evaluate_gate, never_worse_pairs
+    from benchmark.quality.runner import GridSettings, run_grid
+    from rtp_llm.models_py.modules.hybrid.topology_kv_config import ServingWitnessSignal, TopologyKVPolicyMode
+
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (1500,), generator=_gen(4)).tolist()
+    settings = dataclasses.replace(ONLY_SMALL, contexts=(192,), budgets=(Fraction(1, 4),), margin=0.0)
+    windows = {192: sample_windows(tokens, "rand", 192, 2, seed=0)}
+    profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
+                        progress=False)
+    assert profile["settings"]["policy"] == "topology_only" and profile["settings"]["witness_signal"] == "recency"
+    assert profile["settings"]["baseline"] == "sinks=4" and profile["settings"]["sink_options"] == [4, 0, 1, 16]
+    for layer, per_budget in profile["measurements"].items():
+        m = per_budget["1/4"]
+        cells = m["candidates"]
+        assert m["chosen_cos_diff"] == min(c["cos_diff"] for c in cells.values())  # margin 0
+        entry = profile["layers"][layer]["1/4"]
+        assert entry["max_structural_fraction"] == 1.0 and m["chosen"] == f"sinks={entry['sink_tokens']}"
+    path = tmp_path / "only.json"
+    path.write_text(json.dumps(profile))
+    loaded = load_topology_profile(path, model_fingerprint=model_fingerprint(lm))
+    assert loaded.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY and loaded.witness_signal is ServingWitnessSignal.RECENCY
+    for layer in (0, 2):
+        indexer = Indexer(4, 32, 48, 8, layer_idx=layer, topology=IndexerTopologySettings.from_env({}, block_size=8),
+                          topology_profile=loaded)
+        assert indexer.topology.policy.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY
+        assert indexer.topology.policy.sink_tokens == profile["layers"][str(layer)]["1/4"]["sink_tokens"]
+        assert not indexer.reads_drift  # recency witnesses: no drift tracker
+    grid = run_grid(lm, windows, GridSettings(contexts=(192,), budgets=(Fraction(1, 4),),
+                                              selectors=("locality", "profile"), profile=loaded), progress=False)
+    loc, prof = (grid.cell(192, Fraction(1, 4), n).ppl for n in ("locality", "profile"))
+    all_default = all(profile["layers"][str(i)]["1/4"]["sink_tokens"] == 4 for i in (0, 2))
+    assert (loc == prof) == all_default, (loc, prof, all_default)
+    pairs = never_worse_pairs("topology_only")
+    assert ("profile", "locality") in pairs and ("profile", "locality") not in never_worse_pairs("topology_sparse_merge")
+    verdict = evaluate_gate(grid, ["profile"], GateThresholds(), pairs)[0]
+    check = next(c for c in verdict.checks if c.name.startswith("ppl <= locality"))
+    assert check.passed is not None and "at most 1" in check.name
+    table = format_table(profile)
+    assert "the sink count changed in" in table and "baseline (sinks=4)" in table
+    plot_shares(profile, tmp_path / "only.png")
+    assert (tmp_path / "only.png").stat().st_size > 1000
+
+
+def test_calibrate_cli_rejects_bad_policy_flags(capsys):
+    from benchmark import topology_kv_calibrate
+
+    assert topology_kv_calibrate.main(["--policy", "topology_only", "--sink-options", "4,-1"]) == 2
+    assert "--sink-options: expected integers >= 0" in capsys.readouterr().err

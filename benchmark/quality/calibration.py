@@ -1,11 +1,20 @@
 """Offline calibration of per-layer structural budgets (``benchmark/topology_kv_calibrate.py``).
 
-For each full-attention layer, each budget ``W = context * b`` and each candidate (a
-structural share of ``W`` and a set of components: sink tokens, local blocks, witness
-blocks), how far that layer's attention output with ``topology_sparse_merge`` over the
-proxy indexer's rows lies from dense attention of the *same* layer input. Inputs are
-teacher-forced: one dense forward per text window, every layer measured on the dense
+For each full-attention layer, each budget ``W = context * b`` and each candidate, how far
+that layer's attention output lies from dense attention of the *same* layer input. Inputs
+are teacher-forced: one dense forward per text window, every layer measured on the dense
 model's own inputs, so one forward serves every candidate (no sparse forward at all).
+
+Candidates, per policy mode (:attr:`CalibrationSettings.policy`):
+
+* ``topology_sparse_merge``: a structural share of ``W`` and a set of components (sink
+  tokens, local blocks, witness blocks) over the proxy indexer's rows; the baseline is
+  share 0 (the learned rows as they are).
+* ``topology_only``: the whole row is structure (share 1); the candidates are sink-token
+  counts (:attr:`CalibrationSettings.sink_options`), the rest of the row the newest tokens
+  (local blocks and, with the serving default ``recency``, witnesses newest first). The
+  baseline is the engine's default sink count, which is plain ``locality`` (the harness's
+  null model, bit for bit).
 
 Error: the harness's output error (``cos_diff``, :func:`~benchmark.quality.sparse_attention.
 sparse_layer_attention`), averaged over the measured rows (rows longer than ``W``, every
@@ -14,9 +23,9 @@ Recall is recorded beside it. :func:`candidate_errors` computes the dense logits
 chunk once and reuses them for every candidate; the tests pin it to
 ``sparse_layer_attention``'s metrics.
 
-Choice: per layer and budget the candidate of least error, kept only if it beats share 0
-(the learned rows as they are) by ``margin`` (relative; default 5%): structure must
-earn its place, so a layer is never calibrated worse than the learned indexer.
+Choice: per layer and budget the candidate of least error, kept only if it beats the
+baseline by ``margin`` (relative; default 5%): a change must earn its place, so a layer is
+never calibrated worse than the learned indexer (merge) or than locality (topology_only).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import torch
 from benchmark.quality.index_rows import dense_rows, rows_to_mask
 from benchmark.quality.layer import DEFAULT_QUERY_CHUNK, LayerInputs
 from benchmark.quality.model import LoadedModel
-from benchmark.quality.policy_selectors import PolicySettings, make_policy_selector
+from benchmark.quality.policy_selectors import PolicySettings, default_witness_signal, make_policy_selector
 from benchmark.quality.selector_base import SelectorSettings, learned_rows_and_scores
 from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan
 from benchmark.quality.text import TextWindow
@@ -45,6 +54,10 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_profile import (
 )
 
 MODE = "topology_sparse_merge"
+ONLY = "topology_only"
+POLICIES = (MODE, ONLY)
+# topology_only: sink-token counts tried per layer (the engine's default 4 is the baseline).
+DEFAULT_SINK_OPTIONS = (0, 1, 4, 16, 64)
 COMPONENTS = ("sinks", "local", "witnesses")
 DEFAULT_SHARES = (Fraction(1, 32), Fraction(1, 16), Fraction(1, 8), Fraction(1, 4))
 # Every non-empty set of components: 7 sets, so 1 + 4 x 7 = 29 candidates per layer and budget.
@@ -58,18 +71,27 @@ DEFAULT_MARGIN = 0.05
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One structural choice: ``share`` of ``W`` (0: the learned rows as they are) and components."""
+    """One structural choice: ``share`` of ``W`` (0: the learned rows as they are) and components.
+
+    ``only_sinks``: a ``topology_only`` candidate with that many sink tokens (share 1, local
+    blocks, witnesses fill the rest); None for the merge mode's candidates.
+    """
 
     share: Fraction
     components: frozenset = frozenset()
+    only_sinks: Optional[int] = None
 
     @property
     def name(self) -> str:
+        if self.only_sinks is not None:
+            return f"sinks={self.only_sinks}"
         if self.share == 0:
             return "learned"
         return f"{budget_key(self.share)}:{'+'.join(c for c in COMPONENTS if c in self.components)}"
 
     def setting(self, sink_tokens: int, local_blocks: int, witness_blocks: int) -> LayerBudgetSetting:
+        if self.only_sinks is not None:  # witness_blocks: topology_only fills the row with witnesses anyway
+            return LayerBudgetSetting(1.0, self.only_sinks, local_blocks, 0)
         if self.share == 0:
             return LayerBudgetSetting(0.0, 0, 0, 0)
         on = self.components
@@ -99,7 +121,13 @@ def parse_components(text: str) -> Tuple[frozenset, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationSettings:
-    """What to try. Component sizes are the engine's defaults (4 sink tokens, 2 + 2 blocks)."""
+    """What to try. Component sizes are the engine's defaults (4 sink tokens, 2 + 2 blocks).
+
+    policy : ``topology_sparse_merge`` (shares x component sets) or ``topology_only``
+        (``sink_options``; baseline ``sink_tokens``, i.e. locality)
+    witness_signal : ``default`` (serving's ``auto``: key drift for the merge mode, recency
+        for topology_only), ``key_drift`` or ``recency``: what serving can compute
+    """
 
     contexts: Tuple[int, ...]
     budgets: Tuple[Fraction, ...]
@@ -113,9 +141,21 @@ class CalibrationSettings:
     metric_stride: int = 4
     query_chunk: int = DEFAULT_QUERY_CHUNK
     selector_settings: SelectorSettings = SelectorSettings()
-    witness_signal: str = "default"  # the harness's per-mode default: key drift for the merge mode
+    witness_signal: str = "default"
+    policy: str = MODE
+    sink_options: Tuple[int, ...] = DEFAULT_SINK_OPTIONS
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {list(POLICIES)}, got {self.policy!r}")
+        if self.witness_signal not in ("default", "key_drift", "recency"):
+            raise ValueError(
+                f"witness_signal: expected default, key_drift or recency (what serving computes), "
+                f"got {self.witness_signal!r}"
+            )
+        if not self.sink_options or any(isinstance(n, bool) or not isinstance(n, int) or n < 0
+                                        for n in self.sink_options):
+            raise ValueError(f"sink_options: expected a non-empty list of integers >= 0, got {list(self.sink_options)}")
         if not 0 <= self.margin < 1:
             raise ValueError(f"margin: expected a number in [0, 1), got {self.margin}")
         if self.metric_stride < 1:
@@ -129,9 +169,18 @@ class CalibrationSettings:
                     raise ValueError(f"budgets: {budget_key(b)} of context {c} is less than one token")
 
     def candidates(self) -> List[Candidate]:
+        """The baseline first (share 0, or locality's sink count for topology_only), then the rest."""
+        if self.policy == ONLY:
+            counts = [self.sink_tokens] + sorted(set(self.sink_options) - {self.sink_tokens})
+            return [Candidate(Fraction(1), only_sinks=n) for n in counts]
         out = [Candidate(Fraction(0))]
         out += [Candidate(s, c) for s in sorted(set(self.shares)) for c in self.component_sets]
         return out
+
+    @property
+    def resolved_witness_signal(self) -> str:
+        """``key_drift`` or ``recency``: what the profile records and serving must match."""
+        return default_witness_signal(self.policy) if self.witness_signal == "default" else self.witness_signal
 
     def policy_settings(self, cand: Candidate) -> PolicySettings:
         s = cand.setting(self.sink_tokens, self.local_blocks, self.witness_blocks)
@@ -142,7 +191,7 @@ class CalibrationSettings:
             block_size=self.block_size,
             max_structural_fraction=s.max_structural_fraction,
             sink_tokens=s.sink_tokens,
-            witness_signal=self.witness_signal,
+            witness_signal=self.resolved_witness_signal,
         )
 
 
@@ -188,8 +237,15 @@ def candidate_errors(
 def candidate_rows(
     layer: LayerInputs, width: int, settings: CalibrationSettings, candidates: Sequence[Candidate]
 ) -> Dict[str, torch.Tensor]:
-    """Rows of every candidate: the proxy's top-W once, then the real policy per candidate."""
-    learned = learned_rows_and_scores(layer, width, settings.selector_settings)
+    """Rows of every candidate: the proxy's top-W once, then the real policy per candidate.
+
+    ``topology_only`` ignores the learned rows (it replaces them), so it is given the first
+    ``W`` causal positions (valid rows by contract) instead of paying for the proxy.
+    """
+    if settings.policy == ONLY:
+        learned = (dense_rows(layer.lengths, width), None)
+    else:
+        learned = learned_rows_and_scores(layer, width, settings.selector_settings)
 
     def base_rows(_layer, _width):
         return learned
@@ -199,7 +255,8 @@ def candidate_rows(
         if cand.share == 0:
             out[cand.name] = learned[0]
             continue
-        selector = make_policy_selector(MODE, settings.selector_settings, settings.policy_settings(cand), base_rows)
+        selector = make_policy_selector(settings.policy, settings.selector_settings, settings.policy_settings(cand),
+                                        base_rows)
         out[cand.name] = selector(layer, width, {})
     return out
 
@@ -265,33 +322,40 @@ def measure(
 
 @dataclasses.dataclass(frozen=True)
 class LayerChoice:
-    """The chosen candidate of one layer and budget, with the learned rows' error beside it."""
+    """The chosen candidate of one layer and budget, with the baseline's error beside it.
+
+    The baseline is ``settings.candidates()[0]``: the learned rows (merge) or locality
+    (topology_only); ``best_other`` is the least-error candidate besides it.
+    """
 
     candidate: Candidate
     error: float
-    learned_error: float
-    best_structural: Optional[Candidate]
-    best_structural_error: float
+    baseline: Candidate
+    baseline_error: float
+    best_other: Optional[Candidate]
+    best_other_error: float
 
 
 def choose(measurements: Measurements, layers: Sequence[int], settings: CalibrationSettings) -> Dict[int, Dict[Fraction, LayerChoice]]:
-    """Per layer and budget: the least-error candidate if it beats share 0 by ``margin``, else share 0."""
+    """Per layer and budget: the least-error candidate if it beats the baseline by ``margin``, else the baseline."""
     candidates = settings.candidates()
+    baseline = candidates[0]
     out: Dict[int, Dict[Fraction, LayerChoice]] = {}
     for layer in layers:
         for budget in settings.budgets:
-            learned = measurements.mean(layer, budget, "learned", settings.contexts)[0]
-            structural = [(measurements.mean(layer, budget, c.name, settings.contexts)[0], c) for c in candidates[1:]]
-            structural = [(e, c) for e, c in structural if e == e]  # drop unmeasured (NaN)
-            best_e, best = min(structural, key=lambda ec: ec[0], default=(float("nan"), None))
-            # No measured row (every row dense at this budget) keeps the learned rows.
-            keep = best is not None and learned == learned and best_e < learned * (1.0 - settings.margin)
+            base_e = measurements.mean(layer, budget, baseline.name, settings.contexts)[0]
+            others = [(measurements.mean(layer, budget, c.name, settings.contexts)[0], c) for c in candidates[1:]]
+            others = [(e, c) for e, c in others if e == e]  # drop unmeasured (NaN)
+            best_e, best = min(others, key=lambda ec: ec[0], default=(float("nan"), None))
+            # No measured row (every row dense at this budget) keeps the baseline.
+            keep = best is not None and base_e == base_e and best_e < base_e * (1.0 - settings.margin)
             out.setdefault(layer, {})[budget] = LayerChoice(
-                candidate=best if keep else candidates[0],
-                error=best_e if keep else learned,
-                learned_error=learned,
-                best_structural=best,
-                best_structural_error=best_e,
+                candidate=best if keep else baseline,
+                error=best_e if keep else base_e,
+                baseline=baseline,
+                baseline_error=base_e,
+                best_other=best,
+                best_other_error=best_e,
             )
     return out
 
@@ -332,9 +396,10 @@ def build_profile(
                 cells[cand.name] = {"cos_diff": err, "recall": recall, "rows": rows, "cos_diff_by_context": per_context}
             measured[str(layer)][budget_key(b)] = {
                 "chosen": c.candidate.name,
-                "learned_cos_diff": c.learned_error,
+                "baseline": c.baseline.name,
+                "baseline_cos_diff": c.baseline_error,
                 "chosen_cos_diff": c.error,
-                "best_structural": None if c.best_structural is None else c.best_structural.name,
+                "best_other": None if c.best_other is None else c.best_other.name,
                 "candidates": cells,
             }
     return {
@@ -343,19 +408,22 @@ def build_profile(
         "model": model_fingerprint(lm).to_json(),
         "text": dict(text),
         "settings": {
-            "policy": MODE,
+            "policy": settings.policy,
             "block_size": settings.block_size,
             "contexts": list(settings.contexts),
             "budgets": [budget_key(b) for b in settings.budgets],
-            "shares": ["0"] + [budget_key(s) for s in sorted(set(settings.shares))],
-            "components": ["+".join(c for c in COMPONENTS if c in cs) for cs in settings.component_sets],
+            "candidates": [c.name for c in candidates],
+            "baseline": candidates[0].name,
+            **({"sink_options": [c.only_sinks for c in candidates]} if settings.policy == ONLY else {
+                "shares": ["0"] + [budget_key(s) for s in sorted(set(settings.shares))],
+                "components": ["+".join(c for c in COMPONENTS if c in cs) for cs in settings.component_sets]}),
             "component_sizes": {"sink_tokens": settings.sink_tokens, "local_blocks": settings.local_blocks,
                                 "witness_blocks": settings.witness_blocks},
             "error": "cos_diff (1 - 2<a,b>/(|a|^2+|b|^2) of the layer's dense and sparse outputs)",
             "margin": settings.margin,
             "metric_stride": settings.metric_stride,
-            "witness_signal": settings.witness_signal,
-            "indexer": "proxy (benchmark.quality.selector_base.learned_rows_and_scores), fp8 "
+            "witness_signal": settings.resolved_witness_signal,
+            "indexer": "none (topology_only replaces the learned rows)" if settings.policy == ONLY else "proxy (benchmark.quality.selector_base.learned_rows_and_scores), fp8 "
                        + ("on" if settings.selector_settings.fp8 else "off"),
             **(extra_settings or {}),
         },
@@ -365,47 +433,63 @@ def build_profile(
     }
 
 
+def _kept(profile: Dict[str, object], setting: Dict[str, object]) -> bool:
+    """Whether an entry differs from the baseline (structure kept / sinks changed)."""
+    if profile["settings"]["policy"] == ONLY:
+        return setting["sink_tokens"] != profile["settings"]["component_sizes"]["sink_tokens"]
+    return setting["max_structural_fraction"] > 0
+
+
 def format_table(profile: Dict[str, object]) -> str:
-    """Markdown: layers x budgets, the chosen candidate and its error change vs the learned rows."""
+    """Markdown: layers x budgets, the chosen candidate and its error change vs the baseline."""
     budgets = profile["settings"]["budgets"]
+    baseline = profile["settings"]["baseline"]
     lines = ["| layer | " + " | ".join(f"W = {b}" for b in budgets) + " |",
              "|---|" + "---|" * len(budgets)]
     for layer in sorted(profile["measurements"], key=int):
         cells = []
         for b in budgets:
             m = profile["measurements"][layer][b]
-            learned, chosen = m["learned_cos_diff"], m["chosen_cos_diff"]
-            change = "" if m["chosen"] == "learned" or not learned else f" ({(chosen / learned - 1) * 100:+.0f}%)"
+            base, chosen = m["baseline_cos_diff"], m["chosen_cos_diff"]
+            change = "" if m["chosen"] == baseline or not base else f" ({(chosen / base - 1) * 100:+.0f}%)"
             cells.append(f"{m['chosen']}{change}")
         lines.append(f"| {layer} | " + " | ".join(cells) + " |")
-    kept = sum(1 for layer in profile["layers"].values() for s in layer.values() if s["max_structural_fraction"] > 0)
+    kept = sum(1 for layer in profile["layers"].values() for s in layer.values() if _kept(profile, s))
     total = sum(len(layer) for layer in profile["layers"].values())
-    lines.append(f"\nstructure kept in {kept} of {total} (layer, budget) entries; the rest skip the policy")
+    what = "the sink count changed" if profile["settings"]["policy"] == ONLY else "structure kept"
+    lines.append(f"\n{what} in {kept} of {total} (layer, budget) entries; the rest are the baseline ({baseline}); "
+                 "% = output error change vs the baseline")
     return "\n".join(lines)
 
 
 def plot_shares(profile: Dict[str, object], path) -> None:
-    """Heat map layers x budgets of the structural share kept (0 = the learned rows)."""
+    """Heat map layers x budgets: the structural share kept (merge) or the sink tokens (topology_only)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    only = profile["settings"]["policy"] == ONLY
+    field = "sink_tokens" if only else "max_structural_fraction"
     budgets = profile["settings"]["budgets"]
     layers = sorted(profile["layers"], key=int)
-    grid = [[profile["layers"][l][b]["max_structural_fraction"] for b in budgets] for l in layers]
+    grid = [[profile["layers"][l][b][field] for b in budgets] for l in layers]
+    vmax = max(max(r) for r in grid)
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(budgets), 1.2 + 0.28 * len(layers)))
-    im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=max(0.25, max(max(r) for r in grid)))
+    im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=max(1 if only else 0.25, vmax))
     ax.set_xticks(range(len(budgets)), [f"W = {b}" for b in budgets])
     ax.set_yticks(range(len(layers)), layers)
     ax.set_ylabel("full-attention layer")
     for i, l in enumerate(layers):
         for j, b in enumerate(budgets):
             chosen = profile["measurements"][l][b]["chosen"]
-            ax.text(j, i, "-" if chosen == "learned" else chosen.split(":")[1].replace("witnesses", "w"),
-                    ha="center", va="center", fontsize=6, color="white")
-    fig.colorbar(im, ax=ax, label="structural share of W kept")
-    ax.set_title(f"{profile['model']['name']}: calibrated structure", fontsize=9)
+            if only:
+                label = chosen.split("=")[1]
+            else:
+                label = "-" if chosen == "learned" else chosen.split(":")[1].replace("witnesses", "w")
+            ax.text(j, i, label, ha="center", va="center", fontsize=6, color="white")
+    fig.colorbar(im, ax=ax, label="sink tokens (the rest: newest tokens)" if only else "structural share of W kept")
+    ax.set_title(f"{profile['model']['name']}: calibrated {profile['settings']['policy']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

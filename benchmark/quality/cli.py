@@ -15,7 +15,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from benchmark.quality.errors import SetupError, UsageError
-from benchmark.quality.gate import GateThresholds, evaluate_gate, format_gate
+from benchmark.quality.gate import GateThresholds, evaluate_gate, format_gate, never_worse_pairs
 from benchmark.quality.model import load_gguf_model
 from benchmark.quality.paths import default_data_dir, file_sha256, user_path
 from benchmark.quality.policy_selectors import PolicySettings, policy_mode_names
@@ -57,13 +57,13 @@ def parse_budget(text: str, flag: str = "--budgets") -> Fraction:
     return value
 
 
-def _int_list(text: str, flag: str) -> Tuple[int, ...]:
+def _int_list(text: str, flag: str, minimum: int = 2) -> Tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise UsageError(f"{flag}: expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 2 for v in values):
-        raise UsageError(f"{flag}: expected integers >= 2, got {text!r}")
+    if not values or any(v < minimum for v in values):
+        raise UsageError(f"{flag}: expected integers >= {minimum}, got {text!r}")
     return values
 
 
@@ -409,7 +409,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     grid = run_grid(lm, windows, grid_settings, progress=not args.no_progress, probes=probes,
                     probe_settings=cfg["probe"])
     t_grid = time.perf_counter() - t1
-    verdicts = evaluate_gate(grid, cfg["policy_modes"], cfg["gate"])
+    never_worse = never_worse_pairs(None if profile is None else profile.policy.value, PROFILE_SELECTOR)
+    verdicts = evaluate_gate(grid, cfg["policy_modes"], cfg["gate"], never_worse)
     settings = {
         "argv": list(sys.argv[1:] if argv is None else argv),
         "model": lm.describe(),
@@ -418,7 +419,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
                  "file": None if cfg["text_path"] is None else str(cfg["text_path"]),
                  "sha256": text_source.get("sha256") if cfg["text_path"] is not None else None},
         "profile": None if cfg["profile_path"] is None else {
-            "file": str(cfg["profile_path"]), "sha256": file_sha256(cfg["profile_path"])},
+            "file": str(cfg["profile_path"]), "sha256": file_sha256(cfg["profile_path"]),
+            "policy": profile.policy.value, "text": dict(profile.text), "contexts": list(profile.contexts)},
         "bootstrap": vars(cfg["bootstrap"]),
         "probe": None if cfg["probe"] is None else {
             "segment": cfg["probe"].segment, "distances": [str(f) for f in cfg["probe"].distances],

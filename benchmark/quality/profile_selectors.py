@@ -4,8 +4,8 @@
 ``RTP_LLM_TOPOLOGY_KV_PROFILE``: each full-attention layer takes its own entry at the
 profile budget nearest ``W / L`` (``L`` the window's key length; exact for a grid run at the
 calibrated budgets), and a skipped layer (share 0) returns the proxy indexer's rows as they
-are. Not yet wired into the harness's ``--selectors`` (a ``--profile FILE`` flag is the
-remaining step, docs/profile.md).
+are. The witness signal is the one the profile was calibrated with (serving refuses any
+other). The harness adds it with ``--profile FILE`` (docs/profile.md).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ def make_profile_selector(
     block size and the four structural fields come from the profile.
     """
     base = policy_settings or PolicySettings()
+    if profile.witness_signal is not None:
+        base = dataclasses.replace(base, witness_signal=profile.witness_signal.value)
     mode = profile.policy.value
     cache: Dict[Tuple[int, Fraction], Selector] = {}
 

@@ -2,9 +2,11 @@
 
 A profile is a JSON file written by ``benchmark/topology_kv_calibrate.py``: for each
 full-attention layer of one model and each calibrated budget (``W / context``, e.g.
-``"1/16"``), the structural settings of ``topology_sparse_merge`` that measured the least
-attention-output error against dense, or share 0: the layer then skips the policy (the
-learned rows are returned as they are, at zero cost).
+``"1/16"``), the structural settings of its policy mode that measured the least
+attention-output error against dense. A merge-mode profile may give share 0: the layer then
+skips the policy (the learned rows are returned as they are, at zero cost). A
+``topology_only`` profile gives every layer share 1 (the structure is the whole row; there
+are no learned rows to fall back on) and varies the sink tokens per layer.
 
 Serving reads it once, when each ``Indexer`` is built (``RTP_LLM_TOPOLOGY_KV_PROFILE``),
 checks it against the model it serves (:class:`ModelFingerprint`, given by the caller),
@@ -28,7 +30,9 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
+    ENV_WITNESS_SIGNAL,
     IndexerTopologySettings,
+    ServingWitnessSignal,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
 )
@@ -102,7 +106,7 @@ class LayerBudgetSetting:
     """One layer's structural settings at one budget.
 
     max_structural_fraction : share of ``W`` the structure may take; 0 = skip the policy
-        on this layer (the learned rows are returned unchanged)
+        on this layer (the learned rows are returned unchanged). ``topology_only``: always 1
     sink_tokens, local_blocks, witness_blocks : the components (0 = off), as in
         :class:`TopologyKVPolicyConfig`
     """
@@ -132,6 +136,9 @@ class TopologyKVProfile:
     layers : layer index -> budget -> :class:`LayerBudgetSetting`, for every full-attention
         layer of ``model`` and every budget of ``budgets``
     reference_context : the longest calibrated context, the one :meth:`pick_budget` divides by
+    witness_signal : what ranked the witness blocks during calibration (``key_drift`` or
+        ``recency``); serving must resolve to the same (:func:`layer_topology_settings`).
+        None: not recorded (not checked)
     """
 
     path: str
@@ -143,6 +150,7 @@ class TopologyKVProfile:
     budgets: Tuple[Fraction, ...]
     command: str
     layers: Mapping[int, Mapping[Fraction, LayerBudgetSetting]]
+    witness_signal: Optional[ServingWitnessSignal] = None
 
     @property
     def reference_context(self) -> int:
@@ -225,6 +233,11 @@ def _parse_setting(where: str, raw: Any, policy: TopologyKVPolicyMode, block_siz
         )
     if not (math.isfinite(share) and 0 <= share <= 1):
         raise ValueError(f"{where}.max_structural_fraction: expected a number in [0, 1], got {share!r}")
+    if policy is TopologyKVPolicyMode.TOPOLOGY_ONLY and share != 1:
+        raise ValueError(
+            f"{where}.max_structural_fraction: expected 1 for a topology_only profile (the structure is "
+            f"the whole row; a layer cannot skip to learned rows it does not have), got {share!r}"
+        )
     setting = LayerBudgetSetting(float(share), **counts)
     if not setting.skipped:
         try:  # the same validation as every other config
@@ -236,6 +249,29 @@ def _parse_setting(where: str, raw: Any, policy: TopologyKVPolicyMode, block_siz
         if bad:
             raise ValueError(f"{where}: expected integers >= 0, got {bad}")
     return setting
+
+
+def _parse_witness_signal(
+    where: str, settings: Mapping[str, Any], policy: TopologyKVPolicyMode
+) -> Optional[ServingWitnessSignal]:
+    """``settings.witness_signal`` resolved for ``policy``; absent = None (not checked).
+
+    ``default`` (the harness's name) and ``auto`` resolve as serving's ``auto`` does; a signal
+    serving cannot compute (the harness's query-aware ones) is refused.
+    """
+    if "witness_signal" not in settings:
+        return None
+    raw = settings["witness_signal"]
+    name = raw.strip().lower() if isinstance(raw, str) else raw
+    if name == "default":
+        name = ServingWitnessSignal.AUTO.value
+    try:
+        return ServingWitnessSignal.parse(name).resolve(policy)
+    except (TypeError, ValueError):
+        valid = ", ".join(s.value for s in ServingWitnessSignal)
+        raise ValueError(
+            f"{where}.witness_signal: expected a signal serving computes ({valid}, or default), got {raw!r}"
+        ) from None
 
 
 def parse_topology_profile(
@@ -280,6 +316,7 @@ def parse_topology_profile(
         raise ValueError(f"{where}.policy: {err}") from None
     if policy is TopologyKVPolicyMode.DISABLED:
         raise ValueError(f"{where}.policy: expected an enabled mode, got {policy.value!r}")
+    witness_signal = _parse_witness_signal(where, settings, policy)
     block_size = _field(where, settings, "block_size", int, "an integer >= 1")
     if block_size < 1:
         raise ValueError(f"{where}.block_size: expected an integer >= 1, got {block_size}")
@@ -333,6 +370,7 @@ def parse_topology_profile(
         budgets=budgets,
         command=command,
         layers=layers,
+        witness_signal=witness_signal,
     )
 
 
@@ -413,6 +451,14 @@ def layer_topology_settings(
             f"{profile.path}: settings.policy: the profile calibrated {profile.policy.value!r} but the "
             f"policy is set to {settings.policy.policy.value!r}; unset it or set it to {profile.policy.value!r}"
         )
+    served = settings.witness_signal.resolve(profile.policy)
+    if profile.witness_signal is not None and served is not profile.witness_signal:
+        raise ValueError(
+            f"{profile.path}: settings.witness_signal: the profile was calibrated with "
+            f"{profile.witness_signal.value!r} witnesses, but serving resolves to {served.value!r}; "
+            f"set {ENV_WITNESS_SIGNAL} to {profile.witness_signal.value!r} or calibrate with "
+            f"--witness-signal {served.value}"
+        )
     budget = profile.pick_budget(width, budget_override)
     config = profile.layer_config(layer_idx, budget, settings.policy)
-    return IndexerTopologySettings(policy=config, paths=settings.paths)
+    return dataclasses.replace(settings, policy=config)

@@ -31,7 +31,9 @@ from rtp_llm.models_py.modules.hybrid.test.indexer_cases import (
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     ENV_POLICY,
+    ENV_WITNESS_SIGNAL,
     IndexerTopologySettings,
+    ServingWitnessSignal,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
 )
@@ -122,6 +124,11 @@ BAD_PROFILES = [
     (_broken(lambda d: d["settings"].update(policy="disabled")), "settings.policy: expected an enabled mode"),
     (_broken(lambda d: d["settings"].update(contexts=[])), "settings.contexts: expected a non-empty list"),
     (_broken(lambda d: d.pop("command")), "command: expected the command line"),
+    (_broken(lambda d: d["settings"].update(witness_signal="query_mass")),
+     r"settings.witness_signal: expected a signal serving computes \(auto, key_drift, recency, or default\)"),
+    # topology_only: the structure is the whole row; no layer can skip to learned rows
+    (_broken(lambda d: d["settings"].update(policy="topology_only")),
+     "layers.0.1/16.max_structural_fraction: expected 1 for a topology_only profile"),
 ]
 
 
@@ -256,6 +263,60 @@ def test_the_environment_path(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_POLICY)
     with pytest.raises(ValueError, match=f"{ENV_PROFILE_BUDGET}='1/16': expected {ENV_PROFILE} to be set too"):
         Indexer(HEADS, DIM, WIDTH, PAGE)
+
+
+def _only_profile_dict():
+    data = _profile_dict()
+    data["settings"].update(policy="topology_only", witness_signal="recency")
+    entry = lambda sinks: {"max_structural_fraction": 1.0, "sink_tokens": sinks, "local_blocks": 2,  # noqa: E731
+                           "witness_blocks": 0}
+    data["layers"] = {"0": {"1/16": entry(4), "1/4": entry(0)}, "1": {"1/16": entry(4), "1/4": entry(16)},
+                      "3": {"1/16": entry(4), "1/4": entry(4)}}
+    return data
+
+
+def test_a_topology_only_profile_gives_each_layer_its_sink_count():
+    profile = parse_topology_profile(_only_profile_dict(), model_fingerprint=FINGERPRINT)
+    assert profile.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY and profile.witness_signal is ServingWitnessSignal.RECENCY
+    layers = _layers(profile)  # budget 1/4
+    assert [layers[i].topology.policy.sink_tokens for i in (0, 1, 3)] == [0, 16, 4]
+    assert all(layers[i].topology.policy.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY for i in (0, 1, 3))
+    assert not layers[2].topology.enabled  # not full attention
+    assert not any(layer.reads_drift for layer in layers.values())
+    case, known = _step()
+    for i, sinks in ((0, 0), (1, 16)):
+        plain = Indexer(HEADS, DIM, WIDTH, PAGE, topology=IndexerTopologySettings(policy=TopologyKVPolicyConfig(
+            policy="topology_only", sink_tokens=sinks, local_blocks=2, witness_blocks=0, max_structural_fraction=1.0)))
+        assert torch.equal(_call(layers[i], case, known), _call(plain, case, known)), f"layer {i}"
+    assert not torch.equal(_call(layers[0], case, known), _call(layers[1], case, known))
+
+
+def test_the_served_witness_signal_must_be_the_calibrated_one():
+    profile = parse_topology_profile(_only_profile_dict(), model_fingerprint=FINGERPRINT)
+    with pytest.raises(ValueError, match=f"calibrated with 'recency' witnesses, but serving resolves to 'key_drift'; "
+                                         f"set {ENV_WITNESS_SIGNAL} to 'recency'"):
+        Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, topology_profile=profile,
+                topology=IndexerTopologySettings(witness_signal="key_drift"))
+    merge = _profile_dict()
+    merge["settings"]["witness_signal"] = "default"  # the harness's name: serving's auto, key drift for merge
+    merge = parse_topology_profile(merge, model_fingerprint=FINGERPRINT)
+    assert merge.witness_signal is ServingWitnessSignal.KEY_DRIFT
+    Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, topology_profile=merge, topology=IndexerTopologySettings())
+    with pytest.raises(ValueError, match="calibrated with 'key_drift' witnesses"):
+        Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, topology_profile=merge,
+                topology=IndexerTopologySettings(witness_signal="recency"))
+
+
+def test_a_layer_keeps_the_served_witness_signal(tmp_path, monkeypatch):
+    # Regression: the layer's settings were rebuilt from the policy and paths only, so an
+    # explicit witness signal fell back to auto (key drift for a merge profile).
+    profile = parse_topology_profile(_profile_dict(), model_fingerprint=FINGERPRINT)  # records no signal
+    layer = Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, topology_profile=profile,
+                    topology=IndexerTopologySettings(witness_signal="recency"))
+    assert layer.topology.witness_signal is ServingWitnessSignal.RECENCY and not layer.reads_drift
+    monkeypatch.setenv(ENV_WITNESS_SIGNAL, "recency")
+    monkeypatch.setenv(ENV_PROFILE, str(_write(tmp_path, _profile_dict())))
+    assert not Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, model_fingerprint=FINGERPRINT).reads_drift
 
 
 def test_the_file_is_parsed_once_for_every_layer(tmp_path, monkeypatch):
