@@ -200,6 +200,14 @@ def test_quality_cli_rejects_profile_flags_before_loading(tmp_path):
     cfg = resolve_args(parse(["--selectors", "learned", "--profile", str(tmp_path / "p.json"),
                               "--out-dir", str(tmp_path)]))
     assert cfg["selectors"] == ("learned", "profile") and "profile" in cfg["policy_modes"]
+    cfg = resolve_args(parse(["--selectors", "learned,profile:topology_compress_sparse", "--profile",
+                              str(tmp_path / "p.json"), "--out-dir", str(tmp_path)]))
+    assert cfg["selectors"] == ("learned", "profile:topology_compress_sparse")  # no plain "profile" added
+    assert cfg["policy_modes"] == ("profile:topology_compress_sparse",)
+    with pytest.raises(UsageError, match="'profile:topology_compress_sparse' needs --profile FILE"):
+        resolve_args(parse(["--selectors", "profile:topology_compress_sparse", "--out-dir", str(tmp_path)]))
+    with pytest.raises(UsageError, match="unknown selector 'profile:bogus'"):
+        resolve_args(parse(["--selectors", "profile:bogus", "--out-dir", str(tmp_path)]))
 
 
 def test_profile_selector_takes_each_layers_entry():
@@ -226,6 +234,19 @@ def test_profile_selector_takes_each_layers_entry():
     assert torch.equal(out, expected)
     assert not torch.equal(out, learned_rows_and_scores(kept, WIDTH, SelectorSettings())[0])
     assert bool((out[WIDTH:, :] == 0).any(dim=1).all()), "long rows keep sink token 0"
+    # The same structure under the other merge mode (with a scaffold, compress differs).
+    from benchmark.quality.selectors import make_selector
+
+    scaffold = PolicySettings(scaffold_tokens=16)
+    compress = make_selector("profile:topology_compress_sparse", SelectorSettings(), scaffold, profile=profile)
+    expected = make_policy_selector("topology_compress_sparse", SelectorSettings(),
+                                    PolicySettings(block_size=8, sink_blocks=0, scaffold_tokens=16, **sinks))(kept, WIDTH, {})
+    assert torch.equal(compress(kept, WIDTH, {}), expected)
+    assert torch.equal(compress(skipped, WIDTH, {}), learned_rows_and_scores(skipped, WIDTH, SelectorSettings())[0])
+    from benchmark.quality.errors import UsageError
+
+    with pytest.raises(UsageError, match="'profile:topology_only': .*calibrated 'topology_sparse_merge'"):
+        make_selector("profile:topology_only", SelectorSettings(), profile=profile)
 
 
 # ------------------------------------------------------------------------- topology_only
@@ -311,8 +332,8 @@ def test_a_topology_only_profile_is_served_and_never_worse_than_locality_by_cons
     loc, prof = (grid.cell(192, Fraction(1, 4), n).ppl for n in ("locality", "profile"))
     all_default = all(profile["layers"][str(i)]["1/4"]["sink_tokens"] == 4 for i in (0, 2))
     assert (loc == prof) == all_default, (loc, prof, all_default)
-    pairs = never_worse_pairs("topology_only")
-    assert ("profile", "locality") in pairs and ("profile", "locality") not in never_worse_pairs("topology_sparse_merge")
+    pairs = never_worse_pairs(["profile"])
+    assert ("profile", "locality") in pairs and ("profile", "locality") not in never_worse_pairs()
     verdict = evaluate_gate(grid, ["profile"], GateThresholds(), pairs)[0]
     check = next(c for c in verdict.checks if c.name.startswith("ppl <= locality"))
     assert check.passed is not None and "at most 1" in check.name

@@ -23,7 +23,7 @@ from benchmark.quality.raised_gate import evaluate_raised_gate, format_raised_ga
 from benchmark.quality.report import markdown_report, write_outputs
 from benchmark.quality.runner import GridSettings, run_grid, select_all_self_check
 from benchmark.quality.selector_base import SelectorSettings
-from benchmark.quality.selectors import PROFILE_SELECTOR, resolve_selector_names
+from benchmark.quality.selectors import PROFILE_SELECTOR, profile_selector_mode, resolve_selector_names
 from benchmark.quality.sparse_attention import STAGES
 from benchmark.quality.probe import (DEFAULT_DISTANCES, DEFAULT_SEGMENT, ProbeSettings, make_probe_window,
                                      probe_layout, probe_summary)
@@ -184,10 +184,12 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         profile_path = user_path(args.profile)
         if not profile_path.is_file():
             raise UsageError(f"--profile: no such file {profile_path}")
-        if PROFILE_SELECTOR not in selectors:
+        if not any(profile_selector_mode(s) is not None for s in selectors):
             selectors = selectors + (PROFILE_SELECTOR,)
-    elif PROFILE_SELECTOR in selectors:
-        raise UsageError(f"--selectors: {PROFILE_SELECTOR!r} needs --profile FILE")
+    else:
+        for s in selectors:
+            if profile_selector_mode(s) is not None:
+                raise UsageError(f"--selectors: {s!r} needs --profile FILE")
     if args.windows < 1:
         raise UsageError(f"--windows: expected >= 1, got {args.windows}")
     for flag in ("bootstrap_chunk", "bootstrap_samples"):
@@ -233,7 +235,7 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         structural_budget=args.policy_structural_budget,
         witness_signal=args.policy_witness_signal,
     )
-    modes = [s for s in selectors if s in policy_mode_names() or s == PROFILE_SELECTOR]
+    modes = [s for s in selectors if s in policy_mode_names() or profile_selector_mode(s) is not None]
     for m in policy_mode_names():
         policy.for_mode(m).config(m)  # validates the policy flags now, not after the model has loaded
     gate = GateThresholds(
@@ -409,7 +411,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     grid = run_grid(lm, windows, grid_settings, progress=not args.no_progress, probes=probes,
                     probe_settings=cfg["probe"])
     t_grid = time.perf_counter() - t1
-    never_worse = never_worse_pairs(None if profile is None else profile.policy.value, PROFILE_SELECTOR)
+    only_profiles = [s for s in cfg["policy_modes"] if profile_selector_mode(s) is not None
+                     and profile.served_mode(profile_selector_mode(s) or None).value == "topology_only"]
+    never_worse = never_worse_pairs(only_profiles)
     verdicts = evaluate_gate(grid, cfg["policy_modes"], cfg["gate"], never_worse)
     settings = {
         "argv": list(sys.argv[1:] if argv is None else argv),

@@ -35,10 +35,10 @@ NULL_MODELS = ("locality", "random")
 NEVER_WORSE = (("topology_only", "locality"),)
 
 
-def never_worse_pairs(profile_policy: Optional[str] = None, profile_selector: str = "profile"):
-    """:data:`NEVER_WORSE`, plus ``(profile, locality)`` when the profile is a ``topology_only`` one."""
-    extra = ((profile_selector, "locality"),) if profile_policy == "topology_only" else ()
-    return NEVER_WORSE + extra
+def never_worse_pairs(topology_only_selectors: Sequence[str] = ()):
+    """:data:`NEVER_WORSE`, plus ``(selector, locality)`` for each selector serving ``topology_only``
+    with a profile (locality with a calibrated sink count per layer)."""
+    return NEVER_WORSE + tuple((s, "locality") for s in topology_only_selectors)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,20 +12,24 @@ from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from benchmark.quality.layer import LayerInputs
 from benchmark.quality.policy_selectors import PolicySettings, make_policy_selector
 from benchmark.quality.selector_base import Selector, SelectorSettings, learned_rows_and_scores
+from rtp_llm.models_py.modules.hybrid.topology_kv_config import TopologyKVPolicyMode
 from rtp_llm.models_py.modules.hybrid.topology_kv_profile import TopologyKVProfile
 
 
 def make_profile_selector(
-    profile: TopologyKVProfile, settings: SelectorSettings, policy_settings: PolicySettings = None
+    profile: TopologyKVProfile, settings: SelectorSettings, policy_settings: PolicySettings = None,
+    mode: Optional[str] = None,
 ) -> Selector:
-    """Selector running ``profile.policy`` with each layer's profile entry (see module doc).
+    """Selector running ``profile.policy`` (or ``mode``, one it serves) with each layer's entry (see module doc).
+
+    Raises ``ValueError`` for a mode the profile does not serve (``TopologyKVProfile.served_mode``).
 
     ``policy_settings`` gives what the profile does not fix (witness signal, budget rule);
     block size and the four structural fields come from the profile.
@@ -33,7 +37,7 @@ def make_profile_selector(
     base = policy_settings or PolicySettings()
     if profile.witness_signal is not None:
         base = dataclasses.replace(base, witness_signal=profile.witness_signal.value)
-    mode = profile.policy.value
+    mode = profile.served_mode(None if mode is None else TopologyKVPolicyMode.parse(mode)).value
     cache: Dict[Tuple[int, Fraction], Selector] = {}
 
     def select_profile(layer: LayerInputs, width: int, stats: Dict[str, float]) -> torch.Tensor:

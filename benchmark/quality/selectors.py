@@ -104,7 +104,23 @@ def make_random(settings: SelectorSettings) -> Selector:
 BUILTIN_SELECTORS = ("oracle", "learned", "learned-lowrank", "locality", "random")
 TEST_ONLY_SELECTORS = ("all",)
 # The policy with a calibrated per-layer profile (docs/profile.md); only with ``--profile FILE``.
+# "profile" runs the profile's own mode; "profile:<mode>" another mode it serves (a merge
+# profile serves both merge modes, e.g. "profile:topology_compress_sparse").
 PROFILE_SELECTOR = "profile"
+
+
+def profile_selector_mode(name: str) -> Optional[str]:
+    """For a profile selector name: ``""`` (the profile's own mode) or the mode after ``profile:``.
+
+    None when ``name`` is not a profile selector (``profile:`` with an unknown mode is not one).
+    """
+    key = name.strip().lower()
+    if key == PROFILE_SELECTOR:
+        return ""
+    prefix, _, mode = key.partition(":")
+    if prefix == PROFILE_SELECTOR and mode in policy_selectors.policy_mode_names():
+        return mode
+    return None
 
 
 def available_selectors() -> Tuple[str, ...]:
@@ -124,10 +140,14 @@ def make_selector(
     ``profile``: a loaded ``TopologyKVProfile``, needed by :data:`PROFILE_SELECTOR` only.
     """
     key = name.strip().lower()
-    if key == PROFILE_SELECTOR:
+    profile_mode = profile_selector_mode(key)
+    if profile_mode is not None:
         if profile is None:
-            raise UsageError(f"--selectors: {PROFILE_SELECTOR!r} needs a profile (--profile FILE)")
-        return make_profile_selector(profile, settings, policy_settings)
+            raise UsageError(f"--selectors: {key!r} needs a profile (--profile FILE)")
+        try:
+            return make_profile_selector(profile, settings, policy_settings, mode=profile_mode or None)
+        except ValueError as exc:
+            raise UsageError(f"--selectors: {key!r}: {exc}") from None
     if key == "oracle":
         return select_oracle
     if key == "learned":
@@ -173,7 +193,7 @@ def resolve_selector_names(names: Optional[str]) -> Tuple[str, ...]:
         key = raw.strip().lower()
         if not key:
             continue
-        if key not in valid and not _is_failure_selector(key):
+        if key not in valid and not _is_failure_selector(key) and profile_selector_mode(key) is None:
             raise UsageError(f"--selectors: unknown selector {raw.strip()!r}; expected one of [{', '.join(valid)}]")
         if key not in out:
             out.append(key)

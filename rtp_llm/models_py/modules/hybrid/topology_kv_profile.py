@@ -180,22 +180,45 @@ class TopologyKVProfile:
         # max(b / t, t / b) is exp|log b - log t|, in exact arithmetic (ties are real ties).
         return min(self.budgets, key=lambda b: (max(b / target, target / b), b))
 
+    def served_mode(self, requested: Optional[TopologyKVPolicyMode] = None) -> TopologyKVPolicyMode:
+        """The mode the profile's entries run under when serving asks for ``requested``.
+
+        None or ``disabled``: the profile's own mode. A merge-mode profile serves either merge
+        mode (the entries mean the same: a share of ``W`` and its components; only the
+        compression of scaffold blocks differs); a ``topology_only`` profile serves only
+        ``topology_only`` (its entries are whole rows), and a merge mode cannot take it.
+        """
+        if requested is None or requested is TopologyKVPolicyMode.DISABLED:
+            return self.policy
+        requested = TopologyKVPolicyMode.parse(requested)
+        merge = (TopologyKVPolicyMode.TOPOLOGY_SPARSE_MERGE, TopologyKVPolicyMode.TOPOLOGY_COMPRESS_SPARSE)
+        if requested is self.policy or (requested in merge and self.policy in merge):
+            return requested
+        allowed = [m.value for m in merge] if self.policy in merge else [self.policy.value]
+        raise ValueError(
+            f"{self.path}: settings.policy: the profile calibrated {self.policy.value!r} but the policy is set "
+            f"to {requested.value!r}; unset it or set it to one of {allowed}"
+        )
+
     def setting(self, layer_idx: int, budget: Fraction) -> Optional[LayerBudgetSetting]:
         """The layer's entry, or None for a layer the profile does not cover (not full attention)."""
         entry = self.layers.get(layer_idx)
         return None if entry is None else entry[budget]
 
-    def layer_config(self, layer_idx: int, budget: Fraction, base: TopologyKVPolicyConfig) -> TopologyKVPolicyConfig:
+    def layer_config(
+        self, layer_idx: int, budget: Fraction, base: TopologyKVPolicyConfig, mode: Optional[TopologyKVPolicyMode] = None
+    ) -> TopologyKVPolicyConfig:
         """``base`` with this layer's structure; ``policy=disabled`` for a skipped or uncovered layer.
 
-        Mode and block size come from the profile; the mismatch action, budget rule and
-        backend from ``base`` (the environment).
+        Mode: :meth:`served_mode` of ``mode`` (default the profile's). Block size comes from
+        the profile; the mismatch action, budget rule and backend from ``base`` (the environment).
         """
+        mode = self.served_mode(mode)
         entry = self.setting(layer_idx, budget)
         if entry is None or entry.skipped:
             return dataclasses.replace(base, policy=TopologyKVPolicyMode.DISABLED, block_size=self.block_size)
         # The entry's four fields are TopologyKVPolicyConfig's own names.
-        return dataclasses.replace(base, policy=self.policy, block_size=self.block_size, **entry.to_json())
+        return dataclasses.replace(base, policy=mode, block_size=self.block_size, **entry.to_json())
 
 
 # ----------------------------------------------------------------------------- loading
@@ -446,12 +469,8 @@ def layer_topology_settings(
             f"{profile.path}: settings.block_size: expected {settings.policy.block_size} (the indexer's KV "
             f"page), got {profile.block_size}"
         )
-    if settings.policy.enabled and settings.policy.policy is not profile.policy:
-        raise ValueError(
-            f"{profile.path}: settings.policy: the profile calibrated {profile.policy.value!r} but the "
-            f"policy is set to {settings.policy.policy.value!r}; unset it or set it to {profile.policy.value!r}"
-        )
-    served = settings.witness_signal.resolve(profile.policy)
+    mode = profile.served_mode(settings.policy.policy)
+    served = settings.witness_signal.resolve(mode)
     if profile.witness_signal is not None and served is not profile.witness_signal:
         raise ValueError(
             f"{profile.path}: settings.witness_signal: the profile was calibrated with "
@@ -460,5 +479,5 @@ def layer_topology_settings(
             f"--witness-signal {served.value}"
         )
     budget = profile.pick_budget(width, budget_override)
-    config = profile.layer_config(layer_idx, budget, settings.policy)
+    config = profile.layer_config(layer_idx, budget, settings.policy, mode)
     return dataclasses.replace(settings, policy=config)

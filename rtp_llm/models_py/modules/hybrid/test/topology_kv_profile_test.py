@@ -259,6 +259,12 @@ def test_the_environment_path(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_POLICY, "topology_only")
     with pytest.raises(ValueError, match="calibrated 'topology_sparse_merge' but the policy is set to 'topology_only'"):
         Indexer(HEADS, DIM, WIDTH, PAGE, model_fingerprint=FINGERPRINT)
+    # A merge profile serves the other merge mode with the same per-layer structure.
+    monkeypatch.setenv(ENV_POLICY, "topology_compress_sparse")
+    monkeypatch.setenv(ENV_PROFILE_BUDGET, "1/4")
+    compress = Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=1, model_fingerprint=FINGERPRINT)
+    assert compress.topology.policy == TopologyKVPolicyConfig(policy="topology_compress_sparse", **LOCAL_ONLY)
+    monkeypatch.setenv(ENV_PROFILE_BUDGET, "1/16")
     monkeypatch.delenv(ENV_PROFILE)
     monkeypatch.delenv(ENV_POLICY)
     with pytest.raises(ValueError, match=f"{ENV_PROFILE_BUDGET}='1/16': expected {ENV_PROFILE} to be set too"):
@@ -289,6 +295,16 @@ def test_a_topology_only_profile_gives_each_layer_its_sink_count():
             policy="topology_only", sink_tokens=sinks, local_blocks=2, witness_blocks=0, max_structural_fraction=1.0)))
         assert torch.equal(_call(layers[i], case, known), _call(plain, case, known)), f"layer {i}"
     assert not torch.equal(_call(layers[0], case, known), _call(layers[1], case, known))
+
+
+def test_a_topology_only_profile_serves_no_merge_mode():
+    profile = parse_topology_profile(_only_profile_dict(), model_fingerprint=FINGERPRINT)
+    for mode in ("topology_sparse_merge", "topology_compress_sparse"):
+        with pytest.raises(ValueError, match=rf"calibrated 'topology_only' but the policy is set to '{mode}'; "
+                                             r"unset it or set it to one of \['topology_only'\]"):
+            Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, topology_profile=profile,
+                    topology=IndexerTopologySettings(policy=TopologyKVPolicyConfig(policy=mode), witness_signal="recency"))
+    assert profile.served_mode(TopologyKVPolicyMode.TOPOLOGY_ONLY) is TopologyKVPolicyMode.TOPOLOGY_ONLY
 
 
 def test_the_served_witness_signal_must_be_the_calibrated_one():
