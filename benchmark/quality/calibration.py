@@ -475,7 +475,9 @@ def plot_shares(profile: Dict[str, object], path) -> None:
     layers = sorted(profile["layers"], key=int)
     grid = [[profile["layers"][l][b][field] for b in budgets] for l in layers]
     vmax = max(max(r) for r in grid)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(budgets), 1.2 + 0.28 * len(layers)))
+    if only:  # the scale spans the counts tried, so the baseline's 4 reads as small
+        vmax = max([vmax, *profile["settings"].get("sink_options", [])])
+    fig, ax = plt.subplots(figsize=(2.2 + 1.3 * len(budgets), 1.2 + 0.28 * len(layers)))
     im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=max(1 if only else 0.25, vmax))
     ax.set_xticks(range(len(budgets)), [f"W = {b}" for b in budgets])
     ax.set_yticks(range(len(layers)), layers)
@@ -488,7 +490,7 @@ def plot_shares(profile: Dict[str, object], path) -> None:
             else:
                 label = "-" if chosen == "learned" else chosen.split(":")[1].replace("witnesses", "w")
             ax.text(j, i, label, ha="center", va="center", fontsize=6, color="white")
-    fig.colorbar(im, ax=ax, label="sink tokens (the rest: newest tokens)" if only else "structural share of W kept")
+    fig.colorbar(im, ax=ax, label="sink tokens (rest: newest)" if only else "structural share of W kept")
     ax.set_title(f"{profile['model']['name']}: calibrated {profile['settings']['policy']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
