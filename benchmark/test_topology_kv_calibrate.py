@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -348,3 +349,35 @@ def test_calibrate_cli_rejects_bad_policy_flags(capsys):
 
     assert topology_kv_calibrate.main(["--policy", "topology_only", "--sink-options", "4,-1"]) == 2
     assert "--sink-options: expected integers >= 0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- shipped profiles
+
+SHIPPED = sorted((Path(__file__).resolve().parent / "profiles").glob("*.json"))
+
+
+def test_the_shipped_profiles_are_found():
+    assert len(SHIPPED) >= 4, [p.name for p in SHIPPED]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_a_shipped_profile_loads_for_its_model_and_keeps_its_calibration_rule(path):
+    """The profiles under benchmark/profiles (docs/profile.md) load with today's loader, and
+    every chosen candidate beats its baseline by the recorded margin (or is the baseline)."""
+    from rtp_llm.models_py.modules.hybrid.topology_kv_profile import ModelFingerprint
+
+    data = json.loads(path.read_text())
+    fingerprint = ModelFingerprint(**{**data["model"], "full_attention_layers": tuple(data["model"]["full_attention_layers"])})
+    profile = load_topology_profile(path, model_fingerprint=fingerprint)
+    assert profile.witness_signal is not None and profile.budgets == (Fraction(1, 16), Fraction(1, 8), Fraction(1, 4))
+    settings = data["settings"]
+    for layer, per_budget in data["measurements"].items():
+        for budget, m in per_budget.items():
+            assert m["chosen"] in m["candidates"] and m["baseline"] == settings["baseline"]
+            if m["chosen"] != m["baseline"]:
+                assert m["chosen_cos_diff"] < m["baseline_cos_diff"] * (1 - settings["margin"]), (layer, budget)
+            entry = profile.setting(int(layer), Fraction(budget))
+            if settings["policy"] == "topology_only":
+                assert entry.max_structural_fraction == 1 and m["chosen"] == f"sinks={entry.sink_tokens}"
+            else:
+                assert entry.skipped == (m["chosen"] == "learned")
