@@ -125,7 +125,7 @@ def test_calibrating_a_tiny_model_gives_a_profile_serving_accepts(tmp_path):
     settings = dataclasses.replace(SMALL, contexts=(128, 192), budgets=(Fraction(1, 8), Fraction(1, 4)), margin=0.0)
     windows = {c: sample_windows(tokens, "rand", c, 2, seed=0) for c in settings.contexts}
     profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
-                        progress=False)
+                        progress=False, guard=False)  # the per-layer choice itself (the guard: tests below)
     assert set(profile["layers"]) == {"0", "2"} and profile["settings"]["budgets"] == ["1/8", "1/4"]
     for layer, per_budget in profile["measurements"].items():
         for budget, m in per_budget.items():
@@ -309,7 +309,7 @@ def test_a_topology_only_profile_is_served_and_never_worse_than_locality_by_cons
     settings = dataclasses.replace(ONLY_SMALL, contexts=(192,), budgets=(Fraction(1, 4),), margin=0.0)
     windows = {192: sample_windows(tokens, "rand", 192, 2, seed=0)}
     profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
-                        progress=False)
+                        progress=False, guard=False)
     assert profile["settings"]["policy"] == "topology_only" and profile["settings"]["witness_signal"] == "recency"
     assert profile["settings"]["baseline"] == "sinks=4" and profile["settings"]["sink_options"] == [4, 0, 1, 16]
     for layer, per_budget in profile["measurements"].items():
@@ -381,3 +381,84 @@ def test_a_shipped_profile_loads_for_its_model_and_keeps_its_calibration_rule(pa
                 assert entry.max_structural_fraction == 1 and m["chosen"] == f"sinks={entry.sink_tokens}"
             else:
                 assert entry.skipped == (m["chosen"] == "learned")
+
+
+# ------------------------------------------------------------------------- the guard
+
+
+class _FakeGrid:
+    """``interval`` answers from a table: (context, budget) -> (point, lo, hi)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def interval(self, ctx, budget, selector, reference):
+        from benchmark.quality.intervals import Interval
+
+        assert selector == "profile" and reference in ("learned", "locality")
+        return Interval(*self.table[(ctx, budget)])
+
+
+@pytest.mark.parametrize("hi_2k, hi_4k, kept", [(0.99, 0.98, True), (1.001, 0.98, False), (0.99, 1.2, False)])
+def test_the_guard_keeps_a_budget_only_if_every_context_is_significantly_better(monkeypatch, hi_2k, hi_4k, kept):
+    from benchmark.quality import calibration as calibration_module
+    from benchmark.quality import runner
+
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (1500,), generator=_gen(4)).tolist()
+    settings = dataclasses.replace(ONLY_SMALL, contexts=(128, 192), budgets=(Fraction(1, 4),), margin=0.0)
+    windows = {c: sample_windows(tokens, "rand", c, 1, seed=0) for c in settings.contexts}
+    profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
+                        progress=False, guard=False)
+    # Force a change in layer 0 so the guard has something to check.
+    profile["layers"]["0"]["1/4"]["sink_tokens"] = 16
+    profile["measurements"]["0"]["1/4"]["chosen"] = "sinks=16"
+    table = {(128, Fraction(1, 4)): (0.95, 0.9, hi_2k), (192, Fraction(1, 4)): (0.95, 0.9, hi_4k)}
+    calls = []
+    monkeypatch.setattr(runner, "run_grid", lambda lm_, w, gs, progress=True: calls.append(gs) or _FakeGrid(table))
+    out = calibration_module.guard_profile(lm, windows, profile, settings, progress=False)
+    assert calls and calls[0].selectors == ("locality", "profile") and calls[0].budgets == (Fraction(1, 4),)
+    verdict = out["settings"]["guard"]["budgets"]["1/4"]
+    assert verdict["kept"] is kept and verdict["run"] and set(verdict["contexts"]) == {"128", "192"}
+    assert (out["layers"]["0"]["1/4"]["sink_tokens"] == 16) is kept
+    if not kept:
+        assert all(layer["1/4"]["sink_tokens"] == 4 for layer in out["layers"].values())
+        assert out["measurements"]["0"]["1/4"]["reverted_by_guard"] == "sinks=16"
+        assert "(guard; measured sinks=16)" in format_table(out)
+    # the guarded profile must still load
+    from rtp_llm.models_py.modules.hybrid.topology_kv_profile import parse_topology_profile
+
+    parse_topology_profile(out, model_fingerprint=model_fingerprint(lm))
+
+
+def test_the_guard_runs_nothing_when_every_entry_is_the_baseline(monkeypatch):
+    from benchmark.quality import calibration as calibration_module
+    from benchmark.quality import runner
+
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (800,), generator=_gen(5)).tolist()
+    settings = dataclasses.replace(SMALL, contexts=(128,), margin=0.99)  # nothing beats the learned rows by 99%
+    windows = {128: sample_windows(tokens, "rand", 128, 1, seed=0)}
+    monkeypatch.setattr(runner, "run_grid", lambda *a, **k: pytest.fail("the guard ran a grid with nothing to check"))
+    profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
+                        progress=False)
+    assert profile["settings"]["guard"]["budgets"]["1/4"] == {"kept": True, "run": False}
+    assert "nothing to check" in calibration_module.format_guard(profile)
+
+
+def test_the_guard_on_a_real_forward_reverts_exactly_the_budgets_it_reports(tmp_path):
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (1500,), generator=_gen(4)).tolist()
+    settings = dataclasses.replace(SMALL, contexts=(192,), budgets=(Fraction(1, 8), Fraction(1, 4)), margin=0.0)
+    windows = {192: sample_windows(tokens, "rand", 192, 2, seed=0)}
+    profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
+                        progress=False)
+    for budget, verdict in profile["settings"]["guard"]["budgets"].items():
+        entries = [layer[budget] for layer in profile["layers"].values()]
+        if verdict["run"]:
+            assert verdict["kept"] == (verdict["contexts"]["192"]["hi"] < 1.0)
+        if not verdict["kept"]:
+            assert all(e["max_structural_fraction"] == 0 for e in entries), budget
+    path = tmp_path / "guarded.json"
+    path.write_text(json.dumps(profile))
+    load_topology_profile(path, model_fingerprint=model_fingerprint(lm))

@@ -29,6 +29,7 @@ from benchmark.quality.calibration import (  # noqa: E402
     POLICIES,
     CalibrationSettings,
     calibrate,
+    format_guard,
     format_table,
     parse_components,
     plot_shares,
@@ -74,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "must resolve to the same")
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="relative error cut structure must bring "
                    "over share 0 to be kept (default %(default)s)")
+    p.add_argument("--no-guard", action="store_true", help="skip the end-to-end guard (per budget, the chosen "
+                   "entries must beat the baseline's perplexity on the calibration windows, interval upper bound "
+                   "below 1, or the budget returns to the baseline; docs/profile.md)")
     p.add_argument("--metric-stride", type=int, default=4, help="measure every n-th query row (default 4)")
     p.add_argument("--query-chunk", type=int, default=256)
     p.add_argument("--no-fp8", action="store_true", help="proxy indexer without the fp8-e4m3 round trip")
@@ -127,12 +131,14 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
           f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     command = "python benchmark/topology_kv_calibrate.py " + " ".join(shlex.quote(a) for a in argv)
     profile = calibrate(lm, windows, settings, text=text, command=command.strip(), progress=not args.no_progress,
-                        extra_settings={"windows": args.windows, "window_seed": args.window_seed})
+                        extra_settings={"windows": args.windows, "window_seed": args.window_seed},
+                        guard=not args.no_guard)
     out_dir = user_path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "profile.json"
     path.write_text(json.dumps(profile, indent=1))
     print(format_table(profile))
+    print(format_guard(profile))
     outputs = [str(path)]
     if not args.no_plots:
         plot_shares(profile, out_dir / "share_kept.png")

@@ -26,6 +26,14 @@ chunk once and reuses them for every candidate; the tests pin it to
 Choice: per layer and budget the candidate of least error, kept only if it beats the
 baseline by ``margin`` (relative; default 5%): a change must earn its place, so a layer is
 never calibrated worse than the learned indexer (merge) or than locality (topology_only).
+
+Guard (:func:`guard_profile`): the per-layer error is a proxy for the model's loss (on
+SmolLM2, 64 sink tokens cut ``topology_only``'s output error by half in layers 3-10 and
+still raised perplexity on another text). So, per budget, the chosen entries run together
+inside the model's forward on the calibration windows, against the baseline selector
+(``learned`` or ``locality``); they are kept only if the upper bound of the 95% interval of
+``ppl(profile) / ppl(baseline)`` is below 1 in every calibrated context. Otherwise that
+budget's entries all return to the baseline. The verdicts go into ``settings.guard``.
 """
 
 from __future__ import annotations
@@ -452,13 +460,21 @@ def format_table(profile: Dict[str, object]) -> str:
             m = profile["measurements"][layer][b]
             base, chosen = m["baseline_cos_diff"], m["chosen_cos_diff"]
             change = "" if m["chosen"] == baseline or not base else f" ({(chosen / base - 1) * 100:+.0f}%)"
+            was = m.get("reverted_by_guard")
+            if was is not None and was != m["chosen"]:
+                change = f" (guard; measured {was})"
             cells.append(f"{m['chosen']}{change}")
         lines.append(f"| {layer} | " + " | ".join(cells) + " |")
     kept = sum(1 for layer in profile["layers"].values() for s in layer.values() if _kept(profile, s))
+    reverted = sorted({b for layer in profile["measurements"].values() for b, m in layer.items()
+                       if "reverted_by_guard" in m})
     total = sum(len(layer) for layer in profile["layers"].values())
     what = "the sink count changed" if profile["settings"]["policy"] == ONLY else "structure kept"
     lines.append(f"\n{what} in {kept} of {total} (layer, budget) entries; the rest are the baseline ({baseline}); "
                  "% = output error change vs the baseline")
+    if reverted:
+        lines.append(f"budgets {', '.join(reverted)}: the guard reverted every entry to the baseline "
+                     "(per layer the choice above was measured better; `reverted_by_guard` keeps it)")
     return "\n".join(lines)
 
 
@@ -497,6 +513,79 @@ def plot_shares(profile: Dict[str, object], path) -> None:
     plt.close(fig)
 
 
+def _baseline_entry(settings: CalibrationSettings) -> Dict[str, object]:
+    return settings.candidates()[0].setting(settings.sink_tokens, settings.local_blocks, settings.witness_blocks).to_json()
+
+
+def guard_profile(
+    lm: LoadedModel,
+    windows: Dict[int, List[TextWindow]],
+    profile: Dict[str, object],
+    settings: CalibrationSettings,
+    progress: bool = True,
+) -> Dict[str, object]:
+    """Keep a budget's chosen entries only if they beat the baseline end to end (module doc).
+
+    Returns the profile with reverted budgets set to the baseline entry and
+    ``settings.guard`` = per budget: ``kept``, and per context the interval of
+    ``ppl(profile) / ppl(baseline)`` (a budget whose entries are all the baseline is not run).
+    """
+    from benchmark.quality.runner import GridSettings, run_grid
+    from rtp_llm.models_py.modules.hybrid.topology_kv_profile import parse_topology_profile
+
+    baseline_entry = _baseline_entry(settings)
+    baseline = "locality" if settings.policy == ONLY else "learned"
+    changed = [b for b in settings.budgets
+               if any(layer[budget_key(b)] != baseline_entry for layer in profile["layers"].values())]
+    verdicts: Dict[str, object] = {budget_key(b): {"kept": True, "run": False} for b in settings.budgets}
+    if changed:
+        parsed = parse_topology_profile(profile, model_fingerprint=model_fingerprint(lm), source="<calibrated profile>")
+        grid_settings = GridSettings(
+            contexts=settings.contexts, budgets=tuple(changed), selectors=(baseline, "profile"),
+            selector_settings=dataclasses.replace(settings.selector_settings, sink_tokens=max(1, settings.sink_tokens)),
+            query_chunk=settings.query_chunk, metric_stride=1 << 30,  # perplexity only: no per-layer metrics
+            profile=parsed,
+        )
+        grid = run_grid(lm, windows, grid_settings, progress=progress)
+        for b in changed:
+            per_context = {}
+            kept = True
+            for ctx in settings.contexts:
+                iv = grid.interval(ctx, b, "profile", baseline)
+                per_context[str(ctx)] = {"ppl_ratio": iv.point, "lo": iv.lo, "hi": iv.hi}
+                kept &= iv.hi < 1.0
+            verdicts[budget_key(b)] = {"kept": kept, "run": True, "vs": baseline, "contexts": per_context}
+            if not kept:
+                for layer in profile["layers"].values():
+                    layer[budget_key(b)] = dict(baseline_entry)
+                for per_budget in profile["measurements"].values():
+                    per_budget[budget_key(b)]["reverted_by_guard"] = per_budget[budget_key(b)]["chosen"]
+                    per_budget[budget_key(b)]["chosen"] = settings.candidates()[0].name
+                    per_budget[budget_key(b)]["chosen_cos_diff"] = per_budget[budget_key(b)]["baseline_cos_diff"]
+    profile["settings"]["guard"] = {
+        "rule": f"per budget: the 95% interval of ppl(profile) / ppl({baseline}) on the calibration windows "
+                "has its upper bound below 1 in every context, else the budget's entries return to the baseline",
+        "budgets": verdicts,
+    }
+    return profile
+
+
+def format_guard(profile: Dict[str, object]) -> str:
+    """One line per budget: kept or reverted, with the intervals behind it."""
+    guard = profile["settings"].get("guard")
+    if not guard:
+        return "guard: not run"
+    lines = []
+    for b, v in guard["budgets"].items():
+        if not v["run"]:
+            lines.append(f"guard {b}: nothing to check (every entry is the baseline)")
+            continue
+        parts = ", ".join(f"ctx {c}: {x['ppl_ratio']:.4f} [{x['lo']:.4f}, {x['hi']:.4f}]" for c, x in v["contexts"].items())
+        lines.append(f"guard {b}: {'kept' if v['kept'] else 'REVERTED to the baseline'} "
+                     f"(ppl profile / {v['vs']}: {parts})")
+    return "\n".join(lines)
+
+
 def calibrate(
     lm: LoadedModel,
     windows: Dict[int, List[TextWindow]],
@@ -506,11 +595,16 @@ def calibrate(
     command: str,
     progress: bool = True,
     extra_settings: Optional[Dict[str, object]] = None,
+    guard: bool = True,
 ) -> Dict[str, object]:
-    """Measure, choose, and return the profile JSON (with ``seconds`` in its settings)."""
+    """Measure, choose, guard (unless ``guard=False``) and return the profile JSON (``seconds`` in its settings)."""
     start = time.perf_counter()
     measurements = measure(lm, windows, settings, progress=progress)
     choices = choose(measurements, lm.full_attention_layers, settings)
     extra = dict(extra_settings or {})
-    extra["seconds"] = round(time.perf_counter() - start, 1)
-    return build_profile(lm, measurements, choices, settings, text=text, command=command, extra_settings=extra)
+    profile = build_profile(lm, measurements, choices, settings, text=text, command=command, extra_settings=extra)
+    profile["settings"]["measure_seconds"] = round(time.perf_counter() - start, 1)
+    if guard:
+        profile = guard_profile(lm, windows, profile, settings, progress=progress)
+    profile["settings"]["seconds"] = round(time.perf_counter() - start, 1)
+    return profile
