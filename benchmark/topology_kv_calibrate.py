@@ -2,8 +2,9 @@
 
 Also runs as ``python benchmark/topology_kv_calibrate.py [flags]`` from a checkout. Writes
 ``profile.json`` (docs/profile.md; serving reads it through ``RTP_LLM_TOPOLOGY_KV_PROFILE``),
-prints the layers x budgets table and plots the share kept (``share_kept.png``). What is
-measured and how a candidate is chosen: ``benchmark/quality/calibration.py``.
+prints the layers x budgets table and the guard's verdicts, and plots the share kept
+(``share_kept.png``). What is measured, how a candidate is chosen and the end-to-end guard:
+``benchmark/quality/calibration.py``.
 """
 
 from __future__ import annotations
