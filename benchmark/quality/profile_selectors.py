@@ -31,8 +31,9 @@ def make_profile_selector(
 
     Raises ``ValueError`` for a mode the profile does not serve (``TopologyKVProfile.served_mode``).
 
-    ``policy_settings`` gives what the profile does not fix (witness signal, budget rule);
-    block size and the four structural fields come from the profile.
+    ``policy_settings`` gives what the profile does not fix (the budget rule; the witness
+    signal when the profile records none); block size, the four structural fields and a
+    recorded witness signal come from the profile.
     """
     base = policy_settings or PolicySettings()
     if profile.witness_signal is not None:
