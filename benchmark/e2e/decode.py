@@ -28,7 +28,7 @@ from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerFmhaParams,
     IndexerKeyCache,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
+from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
 
 PREFILL_CHUNK = 1024  # prefill query tokens per forward (bounds the [H, T, L] logits)
 

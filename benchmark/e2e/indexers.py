@@ -38,7 +38,7 @@ import torch
 from benchmark.e2e.layout import BLOCK_SIZE
 from rtp_llm.models_py.modules.hybrid.indexer import Indexer
 from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import fp8_e4m3_round_trip
-from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     CoordinateMismatchAction,
     IndexerTopologySettings,
     TopologyKVPolicyConfig,

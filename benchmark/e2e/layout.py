@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import torch
 
 from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerKeyCache
-from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
+from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
 
 if TYPE_CHECKING:  # annotations only: indexers.py imports BLOCK_SIZE from here
     from benchmark.e2e.indexers import ProxyIndexer, TimedIndexer

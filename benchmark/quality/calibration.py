@@ -53,7 +53,7 @@ from benchmark.quality.policy_selectors import PolicySettings, default_witness_s
 from benchmark.quality.selector_base import SelectorSettings, learned_rows_and_scores
 from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan
 from benchmark.quality.text import TextWindow
-from rtp_llm.models_py.modules.hybrid.topology_kv_profile import (
+from rtp_llm.models_py.modules.hybrid.topology_kv.profile import (
     PROFILE_FORMAT,
     PROFILE_VERSION,
     LayerBudgetSetting,
@@ -531,7 +531,7 @@ def guard_profile(
     ``ppl(profile) / ppl(baseline)`` (a budget whose entries are all the baseline is not run).
     """
     from benchmark.quality.runner import GridSettings, run_grid
-    from rtp_llm.models_py.modules.hybrid.topology_kv_profile import parse_topology_profile
+    from rtp_llm.models_py.modules.hybrid.topology_kv.profile import parse_topology_profile
 
     baseline_entry = _baseline_entry(settings)
     baseline = "locality" if settings.policy == ONLY else "learned"

@@ -376,7 +376,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     profile = None
     if cfg["profile_path"] is not None:
         from benchmark.quality.calibration import model_fingerprint
-        from rtp_llm.models_py.modules.hybrid.topology_kv_profile import load_topology_profile
+        from rtp_llm.models_py.modules.hybrid.topology_kv.profile import load_topology_profile
 
         try:
             profile = load_topology_profile(cfg["profile_path"], model_fingerprint=model_fingerprint(lm))

@@ -20,15 +20,16 @@ import torch
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.layer import LayerInputs
 from benchmark.quality.selector_base import Selector, SelectorSettings, learned_rows_and_scores
-from rtp_llm.models_py.modules.hybrid.topology_kv_config import ServingWitnessSignal
-from rtp_llm.models_py.modules.hybrid.topology_kv_drift import block_drift_scores, block_key_centroids
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import ServingWitnessSignal
+from rtp_llm.models_py.modules.hybrid.topology_kv.drift import block_drift_scores, block_key_centroids
 
-_POLICY_MODULE = "rtp_llm.models_py.modules.hybrid.topology_kv_policy"
+_POLICY_MODULE = "rtp_llm.models_py.modules.hybrid.topology_kv.policy"
 
 
 def _policy():
     try:
-        from rtp_llm.models_py.modules.hybrid import topology_kv_policy, topology_kv_witness
+        from rtp_llm.models_py.modules.hybrid.topology_kv import policy as topology_kv_policy
+        from benchmark.candidates import witness as topology_kv_witness
     except ImportError as exc:
         raise SetupError(f"the policy selectors need {_POLICY_MODULE} on the import path: {exc}") from exc
     return topology_kv_policy, topology_kv_witness

@@ -19,8 +19,8 @@ import torch
 from benchmark.quality.layer import LayerInputs
 from benchmark.quality.policy_selectors import PolicySettings, make_policy_selector
 from benchmark.quality.selector_base import Selector, SelectorSettings, learned_rows_and_scores
-from rtp_llm.models_py.modules.hybrid.topology_kv_config import TopologyKVPolicyMode
-from rtp_llm.models_py.modules.hybrid.topology_kv_profile import TopologyKVProfile
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import TopologyKVPolicyMode
+from rtp_llm.models_py.modules.hybrid.topology_kv.profile import TopologyKVProfile
 
 
 def make_profile_selector(

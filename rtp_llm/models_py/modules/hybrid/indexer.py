@@ -44,7 +44,7 @@ from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerFmhaParams,
     IndexerKeyCache,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     ENV_MAX_STRUCTURAL_FRACTION,
     ENV_PATHS,
     IndexerPath,
@@ -52,16 +52,16 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     ServingWitnessSignal,
     TopologyKVPolicyMode,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
-from rtp_llm.models_py.modules.hybrid.topology_kv_policy import TopologyKVCounters, apply_topology_kv_policy
-from rtp_llm.models_py.modules.hybrid.topology_kv_policy_backends import resolve_backend
-from rtp_llm.models_py.modules.hybrid.topology_kv_profile import (
+from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
+from rtp_llm.models_py.modules.hybrid.topology_kv.policy import TopologyKVCounters, apply_topology_kv_policy
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import resolve_backend
+from rtp_llm.models_py.modules.hybrid.topology_kv.profile import (
     ModelFingerprint,
     TopologyKVProfile,
     layer_topology_settings,
     profile_from_env,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_request import TopologyStepPlan
+from rtp_llm.models_py.modules.hybrid.topology_kv.request import TopologyStepPlan
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from rtp_llm.models_py.modules.hybrid.topology_kv_schedule import score_sort_keys
+from rtp_llm.models_py.modules.hybrid.topology_kv.schedule import score_sort_keys
 
 DEFAULT_TOPK_WIDTH = 2048  # DeepSeek-V3.2 index_topk
 DEFAULT_PAGE_SIZE = 64  # the engine's KV page (kernel_tokens_per_block)

@@ -2,25 +2,25 @@
 
 Test support only (never imported by production code). The per-row loop references of the
 indexer ops are in ``indexer_ref.py``; the policy's loop reference is
-``benchmark/topology_kv_reference.py``.
+``rtp_llm/models_py/modules/hybrid/topology_kv/test/reference.py``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from benchmark import topology_kv_reference as policy_ref
+from rtp_llm.models_py.modules.hybrid.topology_kv.test import reference as policy_ref
 from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerKeyCache,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     ALL_PATHS,
     CoordinateMismatchAction,
     IndexerTopologySettings,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_drift import (
+from rtp_llm.models_py.modules.hybrid.topology_kv.drift import (
     BlockDriftTracker,
     DriftMetric,
 )

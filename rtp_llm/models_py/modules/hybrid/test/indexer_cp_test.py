@@ -21,13 +21,13 @@ import torch.multiprocessing as mp
 from rtp_llm.models_py.modules.hybrid.indexer import Indexer
 from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerKeyCache
 from rtp_llm.models_py.modules.hybrid.test import indexer_ref as ref
-from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     CoordinateMismatchAction,
     IndexerTopologySettings,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
+from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
 from tools.device_under_test import DEVICE
 
 CP_SIZE = 2

@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import torch
 
-from benchmark import topology_kv_reference as policy_ref
+from rtp_llm.models_py.modules.hybrid.topology_kv.test import reference as policy_ref
 from rtp_llm.models_py.modules.hybrid.indexer import Indexer, TopologyStepCounters
 from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerAttentionInputs,
@@ -46,15 +46,15 @@ from rtp_llm.models_py.modules.hybrid.test.indexer_cases import (
     run_compute_topk,
     to_device,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     ENV_PATHS,
     IndexerPath,
     IndexerTopologySettings,
     ServingWitnessSignal,
     TopologyKVPolicyConfig,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_drift import BlockDriftTracker
-from rtp_llm.models_py.modules.hybrid.topology_kv_policy import TopologyRequestContext, TopologyStepPlan
+from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
+from rtp_llm.models_py.modules.hybrid.topology_kv.policy import TopologyRequestContext, TopologyStepPlan
 from tools.device_under_test import DEVICE
 
 # ------------------------------------------------------------------ routing, with mocked ops

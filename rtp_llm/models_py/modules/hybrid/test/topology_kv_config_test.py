@@ -17,7 +17,7 @@ from rtp_llm.models_py.modules.hybrid.test.indexer_cases import (
     ONLY,
     PAGE,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     ALL_PATHS,
     ENV_BACKEND,
     ENV_LOCAL_BLOCKS,
@@ -136,7 +136,7 @@ def test_indexer_reads_environment_once_at_construction():
 
 
 def test_env_sink_tokens_and_structural_budget():
-    from rtp_llm.models_py.modules.hybrid.topology_kv_config import IndexerTopologySettings, StructuralBudget
+    from rtp_llm.models_py.modules.hybrid.topology_kv.config import IndexerTopologySettings, StructuralBudget
 
     env = {"RTP_LLM_TOPOLOGY_KV_POLICY": "topology_sparse_merge", "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS": "4",
            "RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET": "Scaled"}

@@ -12,7 +12,7 @@ from rtp_llm.models_py.modules.hybrid.test.indexer_cases import (
     PAGE,
     make_tracker,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_drift import (
+from rtp_llm.models_py.modules.hybrid.topology_kv.drift import (
     BlockDriftTracker,
     DriftMetric,
     block_drift_scores,

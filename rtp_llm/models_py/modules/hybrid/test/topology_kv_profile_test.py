@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rtp_llm.models_py.modules.hybrid import indexer as indexer_module
-from rtp_llm.models_py.modules.hybrid import topology_kv_profile as profile_module
+from rtp_llm.models_py.modules.hybrid.topology_kv import profile as profile_module
 from rtp_llm.models_py.modules.hybrid.indexer import Indexer
 from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerKeyCache
 from rtp_llm.models_py.modules.hybrid.test import indexer_ref as ref
@@ -29,7 +29,7 @@ from rtp_llm.models_py.modules.hybrid.test.indexer_cases import (
     engine_rows,
     to_device,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     ENV_POLICY,
     ENV_WITNESS_SIGNAL,
     IndexerTopologySettings,
@@ -37,7 +37,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv_config import (
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv_profile import (
+from rtp_llm.models_py.modules.hybrid.topology_kv.profile import (
     ENV_PROFILE,
     ENV_PROFILE_BUDGET,
     PROFILE_FORMAT,

@@ -1,0 +1,464 @@
+"""Tests of the calibration (``//benchmark:topology_kv_calibrate_test``): the shared-logits
+error against the harness's metrics, the choice rule, and a whole calibration of a tiny
+random model into a profile that the engine's loader and ``Indexer`` accept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmark.quality.calibration import (
+    Candidate,
+    CalibrationSettings,
+    Measurements,
+    calibrate,
+    candidate_errors,
+    candidate_rows,
+    choose,
+    format_table,
+    model_fingerprint,
+    parse_components,
+    plot_shares,
+)
+from benchmark.quality.metrics import LayerMetrics
+from benchmark.quality.model import LoadedModel, full_attention_layers
+from benchmark.quality.sparse_attention import sparse_layer_attention
+from benchmark.quality.synthetic import synthetic_layer
+from benchmark.quality.text import sample_windows
+from rtp_llm.models_py.modules.hybrid.indexer import Indexer
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import IndexerTopologySettings
+from rtp_llm.models_py.modules.hybrid.topology_kv.profile import load_topology_profile
+
+# Width 37: long rows (>37) and dense ones in the first chunk of 64; T = 150: a partial chunk.
+WIDTH = 37
+SMALL = CalibrationSettings(contexts=(150,), budgets=(Fraction(1, 4),), shares=(Fraction(1, 8), Fraction(1, 4)),
+                            component_sets=parse_components("sinks,local,sinks+local+witnesses"), block_size=8,
+                            sink_tokens=4, local_blocks=1, witness_blocks=1)
+
+
+def _gen(seed):
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("stride", [1, 4])
+def test_shared_logits_errors_equal_the_harness_metrics(softcap, stride):
+    layer = dataclasses.replace(synthetic_layer(seed=3, layer_idx=2), softcap=softcap)
+    rows = candidate_rows(layer, WIDTH, SMALL, SMALL.candidates())
+    assert len(rows) == 1 + 2 * 3
+    errors = candidate_errors(layer, rows, WIDTH, stride)
+    for name, r in rows.items():
+        metrics = LayerMetrics()
+        sparse_layer_attention(layer, r, WIDTH, metrics, 4, stride)
+        cos = torch.cat(metrics.values[2]["cos_diff"]).double()
+        recall = torch.cat(metrics.values[2]["recall"]).double()
+        cos_sum, recall_sum, n = errors[name]
+        assert n == cos.numel() > 0
+        torch.testing.assert_close(cos_sum, float(cos.sum()), atol=1e-4, rtol=1e-4, msg=name)
+        torch.testing.assert_close(recall_sum, float(recall.sum()), atol=1e-4, rtol=1e-4, msg=name)
+    assert errors["learned"] != errors["1/4:sinks+local+witnesses"]
+
+
+def _measurements(learned, structural):
+    m = Measurements()
+    m.add(0, Fraction(1, 4), 150, "learned", (learned * 10, 9.0, 10))
+    m.add(0, Fraction(1, 4), 150, "1/8:sinks", (structural * 10, 9.5, 10))
+    return m
+
+
+# (structural error / learned error, kept?): the margin is 5%.
+MARGIN_CASES = [(0.90, True), (0.96, False), (1.0, False), (1.2, False)]
+
+
+@pytest.mark.parametrize("ratio, kept", MARGIN_CASES)
+def test_structure_is_kept_only_past_the_margin(ratio, kept):
+    settings = dataclasses.replace(SMALL, component_sets=parse_components("sinks"), shares=(Fraction(1, 8),))
+    choice = choose(_measurements(0.01, 0.01 * ratio), [0], settings)[0][Fraction(1, 4)]
+    assert choice.candidate == (Candidate(Fraction(1, 8), frozenset({"sinks"})) if kept else Candidate(Fraction(0)))
+    assert choice.baseline_error == pytest.approx(0.01) and choice.baseline == Candidate(Fraction(0))
+
+
+def test_unmeasured_budget_keeps_the_learned_rows():
+    settings = dataclasses.replace(SMALL, component_sets=parse_components("sinks"), shares=(Fraction(1, 8),))
+    assert choose(Measurements(), [0], settings)[0][Fraction(1, 4)].candidate.share == 0
+
+
+@pytest.mark.parametrize("text", ["sinks,bogus", "", "sinks+"])
+def test_bad_components(text):
+    with pytest.raises(ValueError, match="--components"):
+        parse_components(text)
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(ValueError, match="margin: expected a number in \\[0, 1\\), got 1.5"):
+        dataclasses.replace(SMALL, margin=1.5)
+    with pytest.raises(ValueError, match="budgets: 1/256 of context 150 is less than one token"):
+        dataclasses.replace(SMALL, budgets=(Fraction(1, 256),))
+
+
+def _tiny_model():
+    """Random Qwen2 with a sliding layer between two full ones (as test_topology_kv_quality's)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from benchmark.quality import sparse_attention
+
+    sparse_attention.register()
+    cfg = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=32, use_sliding_window=True,
+                      sliding_window=16, max_position_embeddings=512,
+                      layer_types=["full_attention", "sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=sparse_attention.ATTENTION_NAME).eval()
+    return LoadedModel(model=model, tokenizer=None, gguf_path=None, gguf_sha256="0f" * 32,
+                       full_attention_layers=full_attention_layers(model.config))
+
+
+def test_calibrating_a_tiny_model_gives_a_profile_serving_accepts(tmp_path):
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (1500,), generator=_gen(4)).tolist()
+    settings = dataclasses.replace(SMALL, contexts=(128, 192), budgets=(Fraction(1, 8), Fraction(1, 4)), margin=0.0)
+    windows = {c: sample_windows(tokens, "rand", c, 2, seed=0) for c in settings.contexts}
+    profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
+                        progress=False, guard=False)  # the per-layer choice itself (the guard: tests below)
+    assert set(profile["layers"]) == {"0", "2"} and profile["settings"]["budgets"] == ["1/8", "1/4"]
+    for layer, per_budget in profile["measurements"].items():
+        for budget, m in per_budget.items():
+            cells = m["candidates"]
+            assert set(cells) == {c.name for c in settings.candidates()}
+            assert all(c["rows"] > 0 and 0 <= c["recall"] <= 1 + 1e-6 for c in cells.values())
+            best = min(cells, key=lambda n: cells[n]["cos_diff"])
+            # margin 0: the least error wins, unless that is the learned rows themselves
+            assert m["chosen"] == best or cells[m["chosen"]]["cos_diff"] == cells[best]["cos_diff"]
+            setting = profile["layers"][layer][budget]
+            assert (setting["max_structural_fraction"] == 0) == (m["chosen"] == "learned")
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    loaded = load_topology_profile(path, model_fingerprint=model_fingerprint(lm))
+    assert loaded.block_size == 8 and loaded.reference_context == 192
+    # The engine takes each layer's entry (block size 8 here, as calibrated).
+    for layer in (0, 2):
+        indexer = Indexer(4, 32, 48, 8, layer_idx=layer, topology=IndexerTopologySettings.from_env({}, block_size=8),
+                          topology_profile=loaded)  # 48 / 192 = 1/4
+        entry = profile["layers"][str(layer)]["1/4"]
+        assert indexer.topology.enabled == (entry["max_structural_fraction"] > 0)
+        if indexer.topology.enabled:
+            assert indexer.topology.policy.max_structural_fraction == entry["max_structural_fraction"]
+            assert indexer.topology.policy.local_blocks == entry["local_blocks"]
+    # The harness's "profile" selector runs it inside the model's forward; with every layer
+    # skipped it is the learned selector exactly, otherwise the kept structure changes the loss.
+    from benchmark.quality.runner import GridSettings, run_grid
+
+    grid_settings = GridSettings(contexts=(192,), budgets=(Fraction(1, 4),), selectors=("learned", "profile"),
+                                 profile=loaded)
+    grid = run_grid(lm, {192: windows[192]}, grid_settings, progress=False)
+    learned_ppl, profile_ppl = (grid.cell(192, Fraction(1, 4), n).ppl for n in ("learned", "profile"))
+    skipped_all = all(profile["layers"][str(layer)]["1/4"]["max_structural_fraction"] == 0 for layer in (0, 2))
+    assert (profile_ppl == learned_ppl) == skipped_all, (profile_ppl, learned_ppl, skipped_all)
+    table = format_table(profile)
+    assert table.splitlines()[0] == "| layer | W = 1/8 | W = 1/4 |" and "| 2 |" in table
+    plot_shares(profile, tmp_path / "share_kept.png")
+    assert (tmp_path / "share_kept.png").stat().st_size > 1000
+
+
+def test_the_default_margin_never_keeps_structure_that_loses(tmp_path):
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (800,), generator=_gen(5)).tolist()
+    settings = dataclasses.replace(SMALL, contexts=(128,))
+    windows = {128: sample_windows(tokens, "rand", 128, 1, seed=0)}
+    profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
+                        progress=False)
+    for per_budget in profile["measurements"].values():
+        for m in per_budget.values():
+            assert m["chosen_cos_diff"] <= m["baseline_cos_diff"] * (1 - settings.margin) or m["chosen"] == "learned"
+
+
+def test_cli_rejects_bad_flags_before_loading(capsys):
+    from benchmark.quality import calibrate_cli as topology_kv_calibrate
+
+    assert topology_kv_calibrate.main(["--components", "sinks,nope"]) == 2
+    assert "--components" in capsys.readouterr().err
+    assert topology_kv_calibrate.main(["--margin", "2"]) == 2
+    assert "margin" in capsys.readouterr().err
+    assert topology_kv_calibrate.main(["--budgets", "3/2"]) == 2
+
+
+def test_quality_cli_rejects_profile_flags_before_loading(tmp_path):
+    from benchmark.quality.cli import build_parser, resolve_args
+    from benchmark.quality.errors import UsageError
+
+    parse = build_parser().parse_args
+    with pytest.raises(UsageError, match="'profile' needs --profile FILE"):
+        resolve_args(parse(["--selectors", "learned,profile", "--out-dir", str(tmp_path)]))
+    with pytest.raises(UsageError, match="--profile: no such file"):
+        resolve_args(parse(["--profile", str(tmp_path / "missing.json"), "--out-dir", str(tmp_path)]))
+    (tmp_path / "p.json").write_text("{}")
+    cfg = resolve_args(parse(["--selectors", "learned", "--profile", str(tmp_path / "p.json"),
+                              "--out-dir", str(tmp_path)]))
+    assert cfg["selectors"] == ("learned", "profile") and "profile" in cfg["policy_modes"]
+    cfg = resolve_args(parse(["--selectors", "learned,profile:topology_compress_sparse", "--profile",
+                              str(tmp_path / "p.json"), "--out-dir", str(tmp_path)]))
+    assert cfg["selectors"] == ("learned", "profile:topology_compress_sparse")  # no plain "profile" added
+    assert cfg["policy_modes"] == ("profile:topology_compress_sparse",)
+    with pytest.raises(UsageError, match="'profile:topology_compress_sparse' needs --profile FILE"):
+        resolve_args(parse(["--selectors", "profile:topology_compress_sparse", "--out-dir", str(tmp_path)]))
+    with pytest.raises(UsageError, match="unknown selector 'profile:bogus'"):
+        resolve_args(parse(["--selectors", "profile:bogus", "--out-dir", str(tmp_path)]))
+
+
+def test_profile_selector_takes_each_layers_entry():
+    from benchmark.quality.policy_selectors import PolicySettings, make_policy_selector
+    from benchmark.quality.profile_selectors import make_profile_selector
+    from benchmark.quality.selector_base import SelectorSettings, learned_rows_and_scores
+    from rtp_llm.models_py.modules.hybrid.topology_kv.profile import ModelFingerprint, parse_topology_profile
+
+    sinks = {"max_structural_fraction": 0.25, "sink_tokens": 4, "local_blocks": 0, "witness_blocks": 0}
+    skip = {"max_structural_fraction": 0, "sink_tokens": 0, "local_blocks": 0, "witness_blocks": 0}
+    fingerprint = ModelFingerprint("00" * 32, "synthetic", 3, (0, 2))
+    profile = parse_topology_profile({
+        "format": "rtp_llm.topology_kv_profile", "version": 1, "model": fingerprint.to_json(),
+        "text": {"name": "t", "sha256": "0"}, "command": "test",
+        "settings": {"policy": "topology_sparse_merge", "block_size": 8, "contexts": [150], "budgets": ["1/4"]},
+        "layers": {"0": {"1/4": skip}, "2": {"1/4": sinks}},
+    }, model_fingerprint=fingerprint)
+    selector = make_profile_selector(profile, SelectorSettings())
+    skipped, kept = synthetic_layer(seed=6, layer_idx=0), synthetic_layer(seed=6, layer_idx=2)
+    assert torch.equal(selector(skipped, WIDTH, {}), learned_rows_and_scores(skipped, WIDTH, SelectorSettings())[0])
+    expected = make_policy_selector("topology_sparse_merge", SelectorSettings(),
+                                    PolicySettings(block_size=8, sink_blocks=0, **sinks))(kept, WIDTH, {})
+    out = selector(kept, WIDTH, {})
+    assert torch.equal(out, expected)
+    assert not torch.equal(out, learned_rows_and_scores(kept, WIDTH, SelectorSettings())[0])
+    assert bool((out[WIDTH:, :] == 0).any(dim=1).all()), "long rows keep sink token 0"
+    # The same structure under the other merge mode (with a scaffold, compress differs).
+    from benchmark.quality.selectors import make_selector
+
+    scaffold = PolicySettings(scaffold_tokens=16)
+    compress = make_selector("profile:topology_compress_sparse", SelectorSettings(), scaffold, profile=profile)
+    expected = make_policy_selector("topology_compress_sparse", SelectorSettings(),
+                                    PolicySettings(block_size=8, sink_blocks=0, scaffold_tokens=16, **sinks))(kept, WIDTH, {})
+    assert torch.equal(compress(kept, WIDTH, {}), expected)
+    assert torch.equal(compress(skipped, WIDTH, {}), learned_rows_and_scores(skipped, WIDTH, SelectorSettings())[0])
+    from benchmark.quality.errors import UsageError
+
+    with pytest.raises(UsageError, match="'profile:topology_only': .*calibrated 'topology_sparse_merge'"):
+        make_selector("profile:topology_only", SelectorSettings(), profile=profile)
+
+
+# ------------------------------------------------------------------------- topology_only
+
+ONLY_SMALL = dataclasses.replace(SMALL, policy="topology_only", sink_options=(0, 1, 4, 16))
+
+
+def test_topology_only_candidates_start_from_locality_and_its_rows_are_locality():
+    from benchmark.quality.selectors import make_locality
+    from benchmark.quality.selector_base import SelectorSettings
+
+    cands = ONLY_SMALL.candidates()
+    assert [c.name for c in cands] == ["sinks=4", "sinks=0", "sinks=1", "sinks=16"]
+    assert ONLY_SMALL.resolved_witness_signal == "recency" and SMALL.resolved_witness_signal == "key_drift"
+    layer = synthetic_layer(seed=3, layer_idx=2)
+    rows = candidate_rows(layer, WIDTH, ONLY_SMALL, cands)
+    newest = make_locality(SelectorSettings(sink_tokens=1))(layer, WIDTH, {}).clone()  # hand-made "sinks=0":
+    long_rows = layer.lengths > WIDTH
+    newest[long_rows, 0] = (layer.lengths[long_rows] - WIDTH).to(newest.dtype)  # token 0 -> the W-th newest
+    for n in (0, 1, 4, 16):
+        locality = newest if n == 0 else make_locality(SelectorSettings(sink_tokens=n))(layer, WIDTH, {})
+        # same sets per row (the engine orders a row sinks, then newest first)
+        assert torch.equal(torch.sort(rows[f"sinks={n}"], dim=1).values, torch.sort(locality, dim=1).values), n
+    assert not torch.equal(rows["sinks=0"], rows["sinks=16"])
+    setting = cands[1].setting(4, 1, 1)
+    assert setting.to_json() == {"max_structural_fraction": 1.0, "sink_tokens": 0, "local_blocks": 1,
+                                 "witness_blocks": 0}
+
+
+def test_topology_only_keeps_locality_unless_another_sink_count_beats_it_by_the_margin():
+    m = Measurements()
+    m.add(0, Fraction(1, 4), 150, "sinks=4", (0.10, 9.0, 10))
+    m.add(0, Fraction(1, 4), 150, "sinks=0", (0.097, 9.0, 10))  # 3% better: below the margin
+    m.add(0, Fraction(1, 4), 150, "sinks=16", (0.2, 9.0, 10))
+    choice = choose(m, [0], ONLY_SMALL)[0][Fraction(1, 4)]
+    assert choice.candidate.only_sinks == 4 and choice.best_other.only_sinks == 0
+    m.add(0, Fraction(1, 4), 150, "sinks=1", (0.08, 9.0, 10))  # 20% better: kept
+    assert choose(m, [0], ONLY_SMALL)[0][Fraction(1, 4)].candidate.only_sinks == 1
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(policy="topology_compress_sparse"), "policy: expected one of"),
+    (dict(witness_signal="query_mass"), "witness_signal: expected default, key_drift or recency"),
+    (dict(sink_options=()), "sink_options: expected a non-empty list"),
+    (dict(sink_options=(4, -1)), "sink_options: expected a non-empty list of integers >= 0"),
+])
+def test_bad_policy_settings_name_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(SMALL, **change)
+
+
+def test_a_topology_only_profile_is_served_and_never_worse_than_locality_by_construction(tmp_path):
+    from benchmark.quality.gate import GateThresholds, evaluate_gate, never_worse_pairs
+    from benchmark.quality.runner import GridSettings, run_grid
+    from rtp_llm.models_py.modules.hybrid.topology_kv.config import ServingWitnessSignal, TopologyKVPolicyMode
+
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (1500,), generator=_gen(4)).tolist()
+    settings = dataclasses.replace(ONLY_SMALL, contexts=(192,), budgets=(Fraction(1, 4),), margin=0.0)
+    windows = {192: sample_windows(tokens, "rand", 192, 2, seed=0)}
+    profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
+                        progress=False, guard=False)
+    assert profile["settings"]["policy"] == "topology_only" and profile["settings"]["witness_signal"] == "recency"
+    assert profile["settings"]["baseline"] == "sinks=4" and profile["settings"]["sink_options"] == [4, 0, 1, 16]
+    for layer, per_budget in profile["measurements"].items():
+        m = per_budget["1/4"]
+        cells = m["candidates"]
+        assert m["chosen_cos_diff"] == min(c["cos_diff"] for c in cells.values())  # margin 0
+        entry = profile["layers"][layer]["1/4"]
+        assert entry["max_structural_fraction"] == 1.0 and m["chosen"] == f"sinks={entry['sink_tokens']}"
+    path = tmp_path / "only.json"
+    path.write_text(json.dumps(profile))
+    loaded = load_topology_profile(path, model_fingerprint=model_fingerprint(lm))
+    assert loaded.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY and loaded.witness_signal is ServingWitnessSignal.RECENCY
+    for layer in (0, 2):
+        indexer = Indexer(4, 32, 48, 8, layer_idx=layer, topology=IndexerTopologySettings.from_env({}, block_size=8),
+                          topology_profile=loaded)
+        assert indexer.topology.policy.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY
+        assert indexer.topology.policy.sink_tokens == profile["layers"][str(layer)]["1/4"]["sink_tokens"]
+        assert not indexer.reads_drift  # recency witnesses: no drift tracker
+    grid = run_grid(lm, windows, GridSettings(contexts=(192,), budgets=(Fraction(1, 4),),
+                                              selectors=("locality", "profile"), profile=loaded), progress=False)
+    loc, prof = (grid.cell(192, Fraction(1, 4), n).ppl for n in ("locality", "profile"))
+    all_default = all(profile["layers"][str(i)]["1/4"]["sink_tokens"] == 4 for i in (0, 2))
+    assert (loc == prof) == all_default, (loc, prof, all_default)
+    pairs = never_worse_pairs(["profile"])
+    assert ("profile", "locality") in pairs and ("profile", "locality") not in never_worse_pairs()
+    verdict = evaluate_gate(grid, ["profile"], GateThresholds(), pairs)[0]
+    check = next(c for c in verdict.checks if c.name.startswith("ppl <= locality"))
+    assert check.passed is not None and "at most 1" in check.name
+    table = format_table(profile)
+    assert "the sink count changed in" in table and "baseline (sinks=4)" in table
+    plot_shares(profile, tmp_path / "only.png")
+    assert (tmp_path / "only.png").stat().st_size > 1000
+
+
+def test_calibrate_cli_rejects_bad_policy_flags(capsys):
+    from benchmark.quality import calibrate_cli as topology_kv_calibrate
+
+    assert topology_kv_calibrate.main(["--policy", "topology_only", "--sink-options", "4,-1"]) == 2
+    assert "--sink-options: expected integers >= 0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- shipped profiles
+
+SHIPPED = sorted((Path(__file__).resolve().parents[1] / "profiles").glob("*.json"))
+
+
+def test_the_shipped_profiles_are_found():
+    assert len(SHIPPED) >= 4, [p.name for p in SHIPPED]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_a_shipped_profile_loads_for_its_model_and_keeps_its_calibration_rule(path):
+    """The profiles under benchmark/profiles (docs/profile.md) load with today's loader, and
+    every chosen candidate beats its baseline by the recorded margin (or is the baseline)."""
+    from rtp_llm.models_py.modules.hybrid.topology_kv.profile import ModelFingerprint
+
+    data = json.loads(path.read_text())
+    fingerprint = ModelFingerprint(**{**data["model"], "full_attention_layers": tuple(data["model"]["full_attention_layers"])})
+    profile = load_topology_profile(path, model_fingerprint=fingerprint)
+    assert profile.witness_signal is not None and profile.budgets == (Fraction(1, 16), Fraction(1, 8), Fraction(1, 4))
+    settings = data["settings"]
+    for layer, per_budget in data["measurements"].items():
+        for budget, m in per_budget.items():
+            assert m["chosen"] in m["candidates"] and m["baseline"] == settings["baseline"]
+            if m["chosen"] != m["baseline"]:
+                assert m["chosen_cos_diff"] < m["baseline_cos_diff"] * (1 - settings["margin"]), (layer, budget)
+            entry = profile.setting(int(layer), Fraction(budget))
+            if settings["policy"] == "topology_only":
+                assert entry.max_structural_fraction == 1 and m["chosen"] == f"sinks={entry.sink_tokens}"
+            else:
+                assert entry.skipped == (m["chosen"] == "learned")
+
+
+# ------------------------------------------------------------------------- the guard
+
+
+class _FakeGrid:
+    """``interval`` answers from a table: (context, budget) -> (point, lo, hi)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def interval(self, ctx, budget, selector, reference):
+        from benchmark.quality.intervals import Interval
+
+        assert selector == "profile" and reference in ("learned", "locality")
+        return Interval(*self.table[(ctx, budget)])
+
+
+@pytest.mark.parametrize("hi_2k, hi_4k, kept", [(0.99, 0.98, True), (1.001, 0.98, False), (0.99, 1.2, False)])
+def test_the_guard_keeps_a_budget_only_if_every_context_is_significantly_better(monkeypatch, hi_2k, hi_4k, kept):
+    from benchmark.quality import calibration as calibration_module
+    from benchmark.quality import runner
+
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (1500,), generator=_gen(4)).tolist()
+    settings = dataclasses.replace(ONLY_SMALL, contexts=(128, 192), budgets=(Fraction(1, 4),), margin=0.0)
+    windows = {c: sample_windows(tokens, "rand", c, 1, seed=0) for c in settings.contexts}
+    profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
+                        progress=False, guard=False)
+    # Force a change in layer 0 so the guard has something to check.
+    profile["layers"]["0"]["1/4"]["sink_tokens"] = 16
+    profile["measurements"]["0"]["1/4"]["chosen"] = "sinks=16"
+    table = {(128, Fraction(1, 4)): (0.95, 0.9, hi_2k), (192, Fraction(1, 4)): (0.95, 0.9, hi_4k)}
+    calls = []
+    monkeypatch.setattr(runner, "run_grid", lambda lm_, w, gs, progress=True: calls.append(gs) or _FakeGrid(table))
+    out = calibration_module.guard_profile(lm, windows, profile, settings, progress=False)
+    assert calls and calls[0].selectors == ("locality", "profile") and calls[0].budgets == (Fraction(1, 4),)
+    verdict = out["settings"]["guard"]["budgets"]["1/4"]
+    assert verdict["kept"] is kept and verdict["run"] and set(verdict["contexts"]) == {"128", "192"}
+    assert (out["layers"]["0"]["1/4"]["sink_tokens"] == 16) is kept
+    if not kept:
+        assert all(layer["1/4"]["sink_tokens"] == 4 for layer in out["layers"].values())
+        assert out["measurements"]["0"]["1/4"]["reverted_by_guard"] == "sinks=16"
+        assert "(guard; measured sinks=16)" in format_table(out)
+    # the guarded profile must still load
+    from rtp_llm.models_py.modules.hybrid.topology_kv.profile import parse_topology_profile
+
+    parse_topology_profile(out, model_fingerprint=model_fingerprint(lm))
+
+
+def test_the_guard_runs_nothing_when_every_entry_is_the_baseline(monkeypatch):
+    from benchmark.quality import calibration as calibration_module
+    from benchmark.quality import runner
+
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (800,), generator=_gen(5)).tolist()
+    settings = dataclasses.replace(SMALL, contexts=(128,), margin=0.99)  # nothing beats the learned rows by 99%
+    windows = {128: sample_windows(tokens, "rand", 128, 1, seed=0)}
+    monkeypatch.setattr(runner, "run_grid", lambda *a, **k: pytest.fail("the guard ran a grid with nothing to check"))
+    profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
+                        progress=False)
+    assert profile["settings"]["guard"]["budgets"]["1/4"] == {"kept": True, "run": False}
+    assert "nothing to check" in calibration_module.format_guard(profile)
+
+
+def test_the_guard_on_a_real_forward_reverts_exactly_the_budgets_it_reports(tmp_path):
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (1500,), generator=_gen(4)).tolist()
+    settings = dataclasses.replace(SMALL, contexts=(192,), budgets=(Fraction(1, 8), Fraction(1, 4)), margin=0.0)
+    windows = {192: sample_windows(tokens, "rand", 192, 2, seed=0)}
+    profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
+                        progress=False)
+    for budget, verdict in profile["settings"]["guard"]["budgets"].items():
+        entries = [layer[budget] for layer in profile["layers"].values()]
+        if verdict["run"]:
+            assert verdict["kept"] == (verdict["contexts"]["192"]["hi"] < 1.0)
+        if not verdict["kept"]:
+            assert all(e["max_structural_fraction"] == 0 for e in entries), budget
+    path = tmp_path / "guarded.json"
+    path.write_text(json.dumps(profile))
+    load_topology_profile(path, model_fingerprint=model_fingerprint(lm))

@@ -1,0 +1,154 @@
+"""The e2e report without a model: tables grouped by proxy indexer and rows per request,
+targets paired within a run's preset, the JSON of several runs merged into one report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmark.e2e import cli as e2e
+from benchmark.e2e import report
+
+DSA = ("dsa-ratio", 1, 64)  # SmolLM2's dsa-ratio preset: 1 head x 64 dims
+MODEL = ("model", 3, 192)  # its model preset: G = 3 heads x Hkv * D = 192 dims
+
+
+def row(variant, context, batch, ms, indexer=DSA, rows_per_request=1, dense_ms=100.0, budget=1024):
+    """Every field the table reads, with a recognisable step time."""
+    preset, heads, dim = indexer
+    return {"variant": variant, "context": context, "batch": batch, "rows_per_request": rows_per_request,
+            "budget": budget, "indexer_preset": preset, "indexer_heads": heads, "indexer_dim": dim,
+            "step_ms_median": ms, "step_ms_p90": ms * 1.1, "tokens_per_s": batch * rows_per_request * 1e3 / ms,
+            "speedup_vs_dense": dense_ms / ms, "kv_bytes_vs_dense": 0.5, "top1_agreement": 1.0, "mean_kl": 0.0,
+            "peak_bytes": 2**20, **{f"{p}_ms": ms / 4 for p in report.PARTS}}
+
+
+def payload(rows, indexer=DSA, next_n=0, contexts=(8192,), batches=(1, 8)):
+    preset, heads, dim = indexer
+    settings = {"contexts": list(contexts), "batches": list(batches), "next_n": next_n, "new_tokens": 8,
+                "warmup": 2, "budget": 1024, "indexer_preset": preset, "indexer_heads": None, "indexer_dim": None,
+                "num_layers": None, "length_spread": 1 / 16}
+    return {"environment": {"threads": 2, "device": "x86_64", "torch": "2.x"}, "model": {},
+            "indexer": {"preset": preset, "heads": heads, "dim": dim, "ratio_to_attention": 0.056},
+            "settings": settings, "rows": rows, "targets": report.targets(rows)}
+
+
+def table_blocks(markdown):
+    """``{heading: [table lines]}`` of a format_table text."""
+    blocks = {}
+    for block in markdown.split("\n\n"):
+        lines = block.split("\n")
+        if lines[0].startswith("**"):
+            heading = lines[0]
+        elif lines[0].startswith("| context"):
+            blocks[heading] = lines[2:]
+    return blocks
+
+
+def test_tables_are_grouped_by_indexer_and_rows_per_request():
+    rows = [row("dense", 2048, 1, 50.0), row("learned", 2048, 1, 40.0),
+            row("dense", 2048, 1, 90.0, rows_per_request=2), row("learned", 2048, 1, 70.0, rows_per_request=2),
+            row("dense", 2048, 1, 55.0, indexer=MODEL), row("learned", 2048, 1, 60.0, indexer=MODEL),
+            row("dense", 1024, 1, 30.0)]  # a smaller context after: sorted to the top of its table
+    blocks = table_blocks(e2e.format_table(rows))
+    assert list(blocks) == [
+        "**Proxy indexer `dsa-ratio` (1 head x 64 dims), W = 1024, 1 row per request (greedy decode)**",
+        "**Proxy indexer `dsa-ratio` (1 head x 64 dims), W = 1024, 2 rows per request (--next-n 1, "
+        "speculative verification)**",
+        "**Proxy indexer `model` (3 heads x 192 dims), W = 1024, 1 row per request (greedy decode)**",
+    ]
+    single, multi, model = blocks.values()
+    assert [line.split(" | ")[:4] for line in single] == [["| 1024", "1", "1", "dense"], ["| 2048", "1", "1", "dense"],
+                                                          ["| 2048", "1", "1", "learned"]]
+    assert all(line.split(" | ")[2] == "2" for line in multi) and len(multi) == 2
+    assert "60.0 (66.0)" in model[1]  # the model preset's learned row, median (p90)
+    header = e2e.format_table(rows).split("\n")[2]
+    assert header == "| " + " | ".join(report.MARKDOWN_COLUMNS) + " |"
+
+
+def test_targets_pair_compress_with_learned_of_its_own_preset():
+    rows = [row("dense", 8192, 8, 100.0), row("topology_only_noscan", 8192, 8, 70.0),
+            row("learned", 8192, 1, 50.0), row("learned+topology_compress_sparse", 8192, 1, 50.5),
+            row("learned", 8192, 1, 80.0, indexer=MODEL),
+            row("learned+topology_compress_sparse", 8192, 1, 90.0, indexer=MODEL),
+            row("learned+topology_compress_sparse", 8192, 8, 90.0, rows_per_request=2)]  # multi-row: no target
+    found = {(t["batch"], t["indexer_preset"]): t for t in report.targets(rows)}
+    assert found[(8, "dsa-ratio")]["passed"] is True  # noscan 100 / 70 = 1.43x
+    assert found[(1, "dsa-ratio")]["value"] == pytest.approx(1.01) and found[(1, "dsa-ratio")]["passed"]
+    assert found[(1, "model")]["value"] == pytest.approx(90 / 80) and not found[(1, "model")]["passed"]
+    assert found[(8, None)]["passed"] is None  # compress at batch 8, one row per request: not run
+    text = report.format_targets(report.targets(rows))
+    assert "NOT RUN: learned+topology_compress_sparse within 3% of learned step time, batch 8" in text
+    assert "FAIL: learned+topology_compress_sparse within 3% of learned step time, batch 1 (context 8192, " \
+           "indexer model): step time ratio 1.125" in text
+
+
+def test_nothing_run_is_not_run():
+    text = report.format_targets(report.targets([row("dense", 2048, 32, 100.0)]))
+    assert text.count("NOT RUN") == 3 and "PASS" not in text and "FAIL" not in text
+
+
+def test_merge_keeps_every_row_and_names_its_source():
+    a = payload([row("dense", 8192, 8, 100.0), row("topology_only_noscan", 8192, 8, 60.0)])
+    b = payload([row("dense", 8192, 8, 110.0, indexer=MODEL), row("learned", 8192, 8, 90.0, indexer=MODEL)],
+                indexer=MODEL)
+    merged = report.merge_runs([("a.json", a), ("b.json", b)])
+    assert [r["source"] for r in merged["rows"]] == ["a.json"] * 2 + ["b.json"] * 2
+    assert all(set(r) == set(a["rows"][0]) | {"source"} for r in merged["rows"])  # every field kept
+    assert [r["source"] for r in merged["runs"]] == ["a.json", "b.json"]
+    assert merged["targets"][0]["passed"] is True
+    with pytest.raises(ValueError, match="b.json: row .* is also in a.json"):
+        report.merge_runs([("a.json", a), ("b.json", a)])
+    with pytest.raises(ValueError, match=r"c.json: expected a topology_kv_decode_e2e --json file, missing keys \['rows'"):
+        report.merge_runs([("c.json", {"settings": {}})])
+
+
+def test_command_of_omits_defaults():
+    settings = payload([], next_n=1, contexts=(2048,), batches=(32,))["settings"]
+    assert report.command_of(settings) == ("python benchmark/topology_kv_decode_e2e.py --contexts 2048 --batches 32 "
+                                           "--next-n 1 --new-tokens 8 --warmup 2 --budget 1024 "
+                                           "--indexer-preset dsa-ratio")
+    settings.update(variants=["dense", "learned"], threads=2, novel="emma")
+    assert report.command_of(settings) == ("python benchmark/topology_kv_decode_e2e.py --contexts 2048 --batches 32 "
+                                           "--variants dense learned --next-n 1 --new-tokens 8 --warmup 2 "
+                                           "--budget 1024 --indexer-preset dsa-ratio --novel emma --threads 2")
+    settings["variants"] = list(e2e.VARIANTS)  # all of them: the default, left out
+    assert "--variants" not in report.command_of(settings)
+
+
+def test_merge_command_writes_one_report_and_plot(tmp_path, capsys):
+    runs = {
+        "dsa_8k.json": payload([row("dense", 8192, b, 100.0 * b) for b in (1, 8)]
+                               + [row("learned", 8192, b, 80.0 * b, dense_ms=100.0 * b) for b in (1, 8)]),
+        "model_8k.json": payload([row("dense", 8192, 1, 100.0, indexer=MODEL),
+                                  row("learned", 8192, 1, 95.0, indexer=MODEL)], indexer=MODEL),
+        "dsa_2k_next1.json": payload([row("dense", 2048, 32, 300.0, rows_per_request=2),
+                                      row("learned", 2048, 32, 200.0, rows_per_request=2, dense_ms=300.0)],
+                                     next_n=1, contexts=(2048,), batches=(32,)),
+    }
+    for name, content in runs.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    out = tmp_path / "merged"
+    assert e2e.main(["--merge", *(str(tmp_path / n) for n in runs), "--out", str(out)]) == 0
+    md = (out / "e2e.md").read_text()
+    assert md == capsys.readouterr().out.rstrip("\n") + "\n"
+    assert md.count("| context | B | rows | variant") == 3
+    assert "Proxy indexer `model` (3 heads x 192 dims)" in md and "2 rows per request (--next-n 1" in md
+    assert "--contexts 2048 --batches 32 --next-n 1" in md and "![step time vs batch](e2e_step_vs_batch.png)" in md
+    assert "NOT RUN: topology_only_noscan" in md
+    merged = json.loads((out / "e2e.json").read_text())
+    assert len(merged["rows"]) == 4 + 2 + 2 and len(merged["runs"]) == 3
+    assert (out / report.PLOT_NAME).stat().st_size > 0
+
+
+def test_merge_errors_name_the_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--merge", "a.json"])
+    assert "--merge and --out" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--merge: .*No such file"):
+        e2e.main(["--merge", str(tmp_path / "absent.json"), "--out", str(tmp_path / "out")])
+    run = tmp_path / "a.json"
+    run.write_text(json.dumps(payload([row("dense", 2048, 1, 10.0)])))
+    with pytest.raises(SystemExit, match="--merge: .*a.json: row .* is also in .*a.json"):
+        e2e.main(["--merge", str(run), str(run), "--out", str(tmp_path / "out")])

@@ -1,0 +1,82 @@
+"""Smoke test of the policy overhead benchmark: runs a tiny grid, checks the output."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from benchmark.candidates import policy_bench as bench
+
+DEVICE = os.environ.get("TOPOLOGY_KV_TEST_DEVICE", "cpu")  # "cuda" in the _cuda_manual target
+
+
+def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
+    path = tmp_path / "policy.json"
+    rc = bench.main(
+        ["--rows", "4", "--lengths", "8192", "--width", "64", "--rounds", "2", "--warmup", "0",
+         "--reference-rows", "2", "--json", str(path), "--device", DEVICE]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split("\t") == bench.COLUMNS
+    rows = [line.split("\t") for line in out[1:] if not line.startswith(("PASS", "FAIL"))]
+    backends = bench.parse_args(["--device", DEVICE]).backend
+    assert backends[0] == "torch" and len(backends) >= 1
+    assert len(rows) == 3 * 2 * len(backends)  # three modes x with/without learned scores x backends
+    payload = json.loads(path.read_text())
+    assert payload["environment"]["torch"] == torch.__version__
+    for row in payload["rows"]:
+        assert row["policy_ms"] > 0 and row["copy_ms"] > 0 and row["topk_ms"] > 0
+        assert min(row[f"witness_{s}_ms"] for s in ("query_centroid", "query_mass", "query_bound")) > 0
+        assert row["policy_over_topk"] == pytest.approx(row["policy_ms"] / row["topk_ms"])
+
+
+def test_synthetic_rows_are_valid_engine_rows():
+    gen = torch.Generator().manual_seed(0)
+    rows = bench.synthetic_rows(3, 1000, 64, gen)
+    assert rows.dtype == torch.int32 and rows.shape == (3, 64)
+    for r in rows.tolist():
+        assert len(set(r)) == 64 and all(0 <= v < 1000 for v in r)
+    short = bench.synthetic_rows(2, 10, 16, gen)
+    assert short[0].tolist() == list(range(10)) + [-1] * 6
+
+
+def test_backend_flag_times_each_backend_side_by_side(tmp_path):
+    """One row per backend per cell, in the order given (their results' equality is pinned
+    by the backend tests, not here)."""
+    path = tmp_path / "policy.json"
+    assert bench.main(["--rows", "3", "--lengths", "4096", "--width", "64", "--rounds", "1", "--warmup", "0",
+                       "--reference-rows", "1", "--backend", "torch", "cpu_fused", "--modes", "topology_only",
+                       "--learned-scores", "without", "--json", str(path), "--device", "cpu"]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["torch", "cpu_fused"]
+    assert all(r["policy_us"] > 0 for r in rows)
+
+
+def test_unknown_or_unusable_backend_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--backend", "fastest"])
+    assert "--backend" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--backend", "cpu_fused", "--device", "meta"])
+    assert "--device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag", [(["--rows", "0"], "--rows"), (["--width", "-1"], "--width"),
+                                        (["--modes", "bogus"], "--modes"),
+                                        (["--witness-block-size", "0"], "--witness-block-size")])
+def test_bad_flags_name_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert flag in capsys.readouterr().err
+
+
+def test_cuda_without_gpu_is_a_clear_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cuda"])
+    assert "--device cuda" in capsys.readouterr().err

@@ -1,0 +1,68 @@
+"""The main job in --quick mode: every section of report.json is present and sane."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmark.validation import report as report
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    assert report.main(["--quick", "--out-dir", str(out), "--device", "cpu"]) == 0
+    return out, json.loads((out / "report.json").read_text())
+
+
+def test_every_section_file_and_plot(quick_report):
+    out, rep = quick_report
+    assert set(rep["parts"]) == set(report.PARTS)
+    for name in ("report.md", "micro.json", "micro_warm.json", "policy.json", "e2e.json", "speedup_vs_budget.png",
+                 "e2e_breakdown.png", "e2e_step_vs_batch.png", "quality/results.json",
+                 "quality/ppl_ratio_vs_budget.png"):
+        assert (out / name).exists(), name
+    md = (out / "report.md").read_text()
+    for heading in ("Attention microbenchmark", "Policy overhead", "End-to-end decode step", "Quality gate"):
+        assert heading in md
+    assert "| seq_len | selected | dense ms (cold)" in md and "| context | B | rows | variant" in md
+    assert rep["parts"]["micro"]["args"]["cache"] == "cold" and rep["parts"]["micro"]["warm"]["args"]["cache"] == "warm"
+
+
+def test_sane_values_and_consistent_ratios(quick_report):
+    _, rep = quick_report
+    for row in rep["parts"]["micro"]["rows"]:
+        assert row["sparse_selected_ms"] > 0 and row["dense_sdpa_ms"] > 0
+        assert row["fraction_of_ideal"] == pytest.approx(row["speedup"] / row["ideal_speedup"])
+    for row in rep["parts"]["policy"]["rows"]:
+        assert row["policy_ms"] > 0 and row["topk_ms"] > 0
+        assert row["policy_over_topk"] == pytest.approx(row["policy_ms"] / row["topk_ms"])
+    rows = rep["parts"]["e2e"]["rows"]
+    assert {r["batch"] for r in rows} == {1, 4}  # --quick: two batch sizes for the step-vs-batch plot
+    for row in rows:
+        dense = next(r for r in rows if (r["context"], r["batch"]) == (row["context"], row["batch"])
+                     and r["variant"] == "dense")
+        assert row["step_ms_median"] > 0 and 0 <= row["top1_agreement"] <= 1 and row["mean_kl"] >= 0
+        assert row["speedup_vs_dense"] == pytest.approx(dense["step_ms_median"] / row["step_ms_median"])
+        parts = sum(row[f"{p}_ms"] for p in ("indexer", "policy", "attention", "rest"))
+        assert parts == pytest.approx(row["step_ms_median"], rel=0.5)  # medians of parts vs of totals
+
+
+def test_gate_and_summary_fields(quick_report):
+    _, rep = quick_report
+    gate = rep["parts"]["quality"]["gate"]
+    assert {g["mode"] for g in gate} == {"topology_sparse_merge", "topology_compress_sparse", "topology_only"}
+    assert all(g["status"] in ("PASS", "FAIL", "INCOMPLETE") for g in gate)
+    summary = rep["summary"]
+    for key in ("gate", "where_time_goes", "best_e2e_tradeoff", "micro_fraction_of_ideal", "policy_targets"):
+        assert key in summary
+    shares = summary["where_time_goes"]
+    assert sum(shares[p] for p in ("indexer", "policy", "attention", "rest")) == pytest.approx(1.0)
+    assert rep["environment"]["torch"]
+
+
+def test_bad_part_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        report.parse_args(["--parts", "speed"])
+    assert "--parts" in capsys.readouterr().err

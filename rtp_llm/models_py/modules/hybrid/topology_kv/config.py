@@ -1,0 +1,444 @@
+"""Configuration of the topology KV policy: modes, the policy config, serving settings.
+
+Everything here is read and validated once, at construction (``__post_init__`` or
+:meth:`IndexerTopologySettings.from_env`), with errors that name the setting, the bad
+value and the valid ones. Option names are parsed in one place
+(:func:`parse_enum_member`): case-insensitive, surrounding blanks ignored.
+
+Serving reads these environment variables once, when the ``Indexer`` is built (unset or
+blank means the default):
+
+=========================================== ============================ ==================
+variable                                    valid values                 default
+=========================================== ============================ ==================
+``RTP_LLM_TOPOLOGY_KV_POLICY``              disabled, topology_sparse_   disabled
+                                            merge, topology_compress_
+                                            sparse, topology_only
+``RTP_LLM_TOPOLOGY_KV_SINK_BLOCKS``         integer >= 0                 1
+``RTP_LLM_TOPOLOGY_KV_LOCAL_BLOCKS``        integer >= 0                 2
+``RTP_LLM_TOPOLOGY_KV_WITNESS_BLOCKS``      integer >= 0                 2
+``RTP_LLM_TOPOLOGY_KV_MAX_STRUCTURAL_       float in (0, 1]              0.25
+FRACTION``
+``RTP_LLM_TOPOLOGY_KV_MISMATCH_ACTION``     raise, fallback_disabled     fallback_disabled
+``RTP_LLM_TOPOLOGY_KV_PATHS``               comma list of decode,        all
+                                            prefill, cp; or all
+``RTP_LLM_TOPOLOGY_KV_SINK_TOKENS``         integer >= 0, or "blocks"    4 (the policy config's
+                                            (whole sink blocks)          ``sink_tokens``)
+``RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET``   fixed, scaled                the policy config's
+``RTP_LLM_TOPOLOGY_KV_BACKEND``             auto, torch, compiled,       auto
+                                            triton, cpu_fused
+``RTP_LLM_TOPOLOGY_KV_WITNESS_SIGNAL``      auto, key_drift, recency     auto (recency for
+                                                                         topology_only,
+                                                                         key_drift otherwise)
+``RTP_LLM_TOPOLOGY_KV_PROFILE``             path of a per-layer profile  unset (no profile)
+                                            (read by the ``Indexer``,
+                                            ``topology_kv_profile``)
+``RTP_LLM_TOPOLOGY_KV_PROFILE_BUDGET``      one of the profile's         nearest calibrated
+                                            budgets, e.g. 1/16           budget to W / context
+=========================================== ============================ ==================
+
+``fallback_disabled`` is the serving default because ``raise`` reads values on the host
+(one sync per layer call), which the serving hot path must not do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+import re
+from typing import FrozenSet, Mapping, Optional, Union
+
+from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import check_fraction, check_int
+
+DEFAULT_BLOCK_SIZE = 64  # the engine's KV page size (tokens per block)
+# Most structural blocks a config may schedule (sink + local + witness) and most sink tokens
+# (in blocks). The engine's rows are 2048 wide (32 pages of 64 tokens) and a merge mode
+# injects at most W * max_structural_fraction <= W tokens, so 64 blocks (two full rows) is
+# already more than any row can take; the policy's cost grows with the scheduled slots
+# (local_blocks = 2000 made one call 400x slower), so larger values are rejected here.
+MAX_STRUCTURAL_BLOCKS = 64
+
+
+def parse_enum_member(cls, value, setting: str):
+    """The one parser of option names: a member, or its value/name case-insensitively.
+
+    Unknown names raise ``ValueError`` naming ``setting`` and listing the valid values.
+    """
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower()
+        for member in cls:
+            if key in (member.value, member.name.lower()):
+                return member
+    valid = ", ".join(m.value for m in cls)
+    raise ValueError(f"{setting}: expected one of [{valid}] (case-insensitive), got {value!r}")
+
+
+class TopologyKVPolicyMode(enum.Enum):
+    """What the policy does to the learned top-k rows."""
+
+    DISABLED = "disabled"  # return the input tensor itself
+    TOPOLOGY_SPARSE_MERGE = "topology_sparse_merge"  # learned rows + structural blocks
+    TOPOLOGY_COMPRESS_SPARSE = "topology_compress_sparse"  # merge, scaffold blocks as 1 token each
+    TOPOLOGY_ONLY = "topology_only"  # structural blocks only, full budget
+
+    @classmethod
+    def parse(cls, value: Union[str, "TopologyKVPolicyMode"]) -> "TopologyKVPolicyMode":
+        """The one place a mode name is parsed: case-insensitive, surrounding blanks ignored."""
+        return parse_enum_member(cls, value, "policy")
+
+
+class CoordinateMismatchAction(enum.Enum):
+    """What to do with a learned index outside its row's ``[offset, offset + length)``."""
+
+    RAISE = "raise"  # check on the host (one sync) and raise naming row and value
+    FALLBACK_DISABLED = "fallback_disabled"  # return such rows unchanged, count them; no sync
+
+    @classmethod
+    def parse(cls, value: Union[str, "CoordinateMismatchAction"]) -> "CoordinateMismatchAction":
+        return parse_enum_member(cls, value, "coordinate_mismatch_action")
+
+
+class StructuralBudget(enum.Enum):
+    """How many structural tokens a merge mode may inject into a row of width ``W``."""
+
+    FIXED = "fixed"  # floor(W * max_structural_fraction) (the seed's rule)
+    SCALED = "scaled"  # that, times W / max(length, W): less structure as the row outgrows W
+
+    @classmethod
+    def parse(cls, value: Union[str, "StructuralBudget"]) -> "StructuralBudget":
+        return parse_enum_member(cls, value, "structural_budget")
+
+
+class TopologyKVBackend(enum.Enum):
+    """Which implementation of the policy core runs (``topology_kv_policy_backends``).
+
+    All produce the same rows and counters bit for bit (tested); they differ in cost and
+    where they run.
+    """
+
+    AUTO = "auto"  # CUDA: triton; CPU: the fused C++ kernel; else (or unavailable): torch
+    TORCH = "torch"  # eager torch ops (~30 per call): the readable, always-available path
+    COMPILED = "compiled"  # torch.compile(fullgraph, dynamic rows) of the torch core
+    TRITON = "triton"  # one fused Triton launch per call (CUDA; CPU only under TRITON_INTERPRET=1)
+    CPU_FUSED = "cpu_fused"  # one fused C++ pass per row, rows in parallel (CPU; built at first use)
+
+    @classmethod
+    def parse(cls, value: Union[str, "TopologyKVBackend"]) -> "TopologyKVBackend":
+        return parse_enum_member(cls, value, "backend")
+
+
+class ServingWitnessSignal(enum.Enum):
+    """What the serving ``Indexer`` passes the policy as witness scores.
+
+    The policy itself ranks witness blocks by whatever scores it is given, and by recency
+    (the most recent eligible blocks) when given none; this setting only decides what the
+    ``Indexer`` gives it. The query-aware signals of ``topology_kv_witness`` are not served.
+    """
+
+    AUTO = "auto"  # recency for topology_only, key_drift for the merge modes (see resolve)
+    KEY_DRIFT = "key_drift"  # the caller's BlockDriftTracker (live key-centroid drift)
+    RECENCY = "recency"  # no scores: witnesses are the most recent eligible blocks
+
+    @classmethod
+    def parse(cls, value: Union[str, "ServingWitnessSignal"]) -> "ServingWitnessSignal":
+        return parse_enum_member(cls, value, "witness_signal")
+
+    def resolve(self, mode: "TopologyKVPolicyMode") -> "ServingWitnessSignal":
+        """``KEY_DRIFT`` or ``RECENCY``: ``AUTO`` resolved for ``mode``.
+
+        ``topology_only`` gets recency: with key-drift witnesses at 64-token blocks it lost
+        to plain locality (sinks + most recent tokens) at every budget (W = L/16..L/4):
+        +4.3..+30.9% perplexity at ctx 1024, beating it in only 4-5 of 30 layers by
+        attention recall, and +3.7..+11.0% at ctx 2048 (docs/topology_vs_learned_runs.md,
+        sections 3 and 7); with recency it selects exactly locality. The merge modes keep
+        key drift: their witnesses only add to the indexer's rows.
+        """
+        if self is not ServingWitnessSignal.AUTO:
+            return self
+        if TopologyKVPolicyMode.parse(mode) is TopologyKVPolicyMode.TOPOLOGY_ONLY:
+            return ServingWitnessSignal.RECENCY
+        return ServingWitnessSignal.KEY_DRIFT
+
+
+@dataclasses.dataclass(frozen=True)
+class TopologyKVPolicyConfig:
+    """Validated, immutable policy configuration (read once, at construction).
+
+    Attributes
+    ----------
+    policy : TopologyKVPolicyMode or its name (parsed case-insensitively)
+    sink_blocks, local_blocks, witness_blocks : int >= 0
+        Structural blocks per row (see ``topology_kv_schedule``). ``TOPOLOGY_ONLY``
+        ignores ``witness_blocks``: witnesses fill whatever budget remains. Together (with
+        token sinks counted as ``ceil(sink_tokens / block_size)`` blocks) at most
+        :data:`MAX_STRUCTURAL_BLOCKS`.
+    block_size : int > 0
+        Tokens per block; 64 is the engine's KV page size.
+    max_structural_fraction : float in (0, 1]
+        Merge modes: at most ``floor(W * max_structural_fraction)`` structural tokens are
+        *injected* per row (structural tokens the learned row already holds are free).
+        0.25 keeps three quarters of the learned budget for the indexer.
+    coordinate_mismatch_action : CoordinateMismatchAction or its name
+        Default ``fallback_disabled``, the serving default too: ``raise`` reads values on
+        the host (one sync per call) and so breaks CUDA-graph capture; a config built in
+        Python must not get the slow, graph-breaking behaviour by default.
+    sink_tokens : int >= 0 or None
+        Token-granular sinks: the first ``sink_tokens`` tokens replace the ``sink_blocks``
+        whole blocks, and the blocks they touch are never local or witness blocks. None
+        keeps whole sink blocks (the seed's setting). Default 4: in the quality runs
+        (docs/topology_vs_learned_runs.md) 4 token sinks took ``topology_sparse_merge``
+        from +8.4% to -0.3% perplexity vs the learned indexer at W = 64 (ctx 1024), left
+        ``topology_compress_sparse`` unchanged within noise, and kept ``topology_only``
+        from spending a tight budget on one block (perplexity 464 -> 32.6 at W = 64).
+    structural_budget : StructuralBudget or its name
+        ``fixed`` (seed): ``floor(W * max_structural_fraction)`` per row; ``scaled``: that
+        cap times ``W / max(length, W)``, rounded down.
+    backend : TopologyKVBackend or its name
+        Which implementation runs (same results): ``auto`` picks the fused kernel the
+        device can run (Triton on CUDA, C++ on CPU) and falls back to eager torch.
+    """
+
+    policy: TopologyKVPolicyMode = TopologyKVPolicyMode.DISABLED
+    sink_blocks: int = 1
+    local_blocks: int = 2
+    witness_blocks: int = 2
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_structural_fraction: float = 0.25
+    coordinate_mismatch_action: CoordinateMismatchAction = CoordinateMismatchAction.FALLBACK_DISABLED
+    sink_tokens: Optional[int] = 4
+    structural_budget: StructuralBudget = StructuralBudget.FIXED
+    backend: TopologyKVBackend = TopologyKVBackend.AUTO
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "structural_budget", StructuralBudget.parse(self.structural_budget))
+        object.__setattr__(self, "backend", TopologyKVBackend.parse(self.backend))
+        if self.sink_tokens is not None:
+            check_int("sink_tokens", self.sink_tokens, 0)
+        object.__setattr__(self, "policy", TopologyKVPolicyMode.parse(self.policy))
+        object.__setattr__(
+            self, "coordinate_mismatch_action", CoordinateMismatchAction.parse(self.coordinate_mismatch_action)
+        )
+        check_int("sink_blocks", self.sink_blocks, 0, MAX_STRUCTURAL_BLOCKS)
+        check_int("local_blocks", self.local_blocks, 0, MAX_STRUCTURAL_BLOCKS)
+        check_int("witness_blocks", self.witness_blocks, 0, MAX_STRUCTURAL_BLOCKS)
+        check_int("block_size", self.block_size, 1)
+        sink_blocks = self.sink_blocks if self.sink_tokens is None else -(-self.sink_tokens // self.block_size)
+        total = sink_blocks + self.local_blocks + self.witness_blocks
+        if total > MAX_STRUCTURAL_BLOCKS:
+            raise ValueError(
+                f"sink_blocks (or sink_tokens / block_size) + local_blocks + witness_blocks: expected <= "
+                f"{MAX_STRUCTURAL_BLOCKS} scheduled blocks (MAX_STRUCTURAL_BLOCKS), got {sink_blocks} + "
+                f"{self.local_blocks} + {self.witness_blocks} = {total}"
+            )
+        check_fraction("max_structural_fraction", self.max_structural_fraction)
+        sinks = self.sink_blocks if self.sink_tokens is None else self.sink_tokens
+        if self.enabled and sinks + self.local_blocks + self.witness_blocks == 0:
+            if self.policy is not TopologyKVPolicyMode.TOPOLOGY_ONLY:
+                raise ValueError(
+                    "sink_blocks (or sink_tokens) + local_blocks + witness_blocks: expected > 0 for "
+                    f"{self.policy.value}, got 0 (the policy would inject nothing)"
+                )
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy is not TopologyKVPolicyMode.DISABLED
+
+    def structural_cap(self, width: int) -> int:
+        """Most structural tokens a merge mode injects into a row of width ``width``."""
+        return int(math.floor(width * self.max_structural_fraction))
+
+
+ENV_POLICY = "RTP_LLM_TOPOLOGY_KV_POLICY"
+ENV_SINK_BLOCKS = "RTP_LLM_TOPOLOGY_KV_SINK_BLOCKS"
+ENV_LOCAL_BLOCKS = "RTP_LLM_TOPOLOGY_KV_LOCAL_BLOCKS"
+ENV_WITNESS_BLOCKS = "RTP_LLM_TOPOLOGY_KV_WITNESS_BLOCKS"
+ENV_MAX_STRUCTURAL_FRACTION = "RTP_LLM_TOPOLOGY_KV_MAX_STRUCTURAL_FRACTION"
+ENV_MISMATCH_ACTION = "RTP_LLM_TOPOLOGY_KV_MISMATCH_ACTION"
+ENV_PATHS = "RTP_LLM_TOPOLOGY_KV_PATHS"
+ENV_SINK_TOKENS = "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS"
+ENV_STRUCTURAL_BUDGET = "RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET"
+ENV_BACKEND = "RTP_LLM_TOPOLOGY_KV_BACKEND"
+ENV_WITNESS_SIGNAL = "RTP_LLM_TOPOLOGY_KV_WITNESS_SIGNAL"
+
+
+class IndexerPath(enum.Enum):
+    """The three top-k paths of :meth:`Indexer._compute_topk`."""
+
+    DECODE = "decode"  # _get_topk_paged
+    PREFILL = "prefill"  # _get_topk_ragged
+    CP = "cp"  # _get_topk_ragged_cp
+
+
+ALL_PATHS: FrozenSet[IndexerPath] = frozenset(IndexerPath)
+
+
+_DECIMAL_INT = re.compile(r"[0-9]{1,9}")  # ASCII only; 9 digits is far past every cap
+_DECIMAL_FRACTION = re.compile(r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]{1,3})?")
+
+
+def _env_value(environ: Mapping[str, str], name: str) -> Optional[str]:
+    raw = environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    return raw
+
+
+def _env_count(
+    environ: Mapping[str, str], name: str, default: Optional[int], maximum: Optional[int] = None
+) -> Optional[int]:
+    raw = _env_value(environ, name)
+    if raw is None:
+        return default
+    text = raw.strip()
+    # Plain ASCII decimal digits only: int() would also take "+2", "3_000", non-ASCII
+    # digits and 20-digit numbers, none of which a user means as a block count.
+    if not _DECIMAL_INT.fullmatch(text):
+        raise ValueError(f"{name}={raw!r}: expected a non-negative decimal integer (digits 0-9 only), got {raw!r}")
+    value = int(text, 10)
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}={raw!r}: expected an integer <= {maximum}, got {value}")
+    return value
+
+
+def _env_fraction(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = _env_value(environ, name)
+    if raw is None:
+        return default
+    text = raw.strip()
+    if not _DECIMAL_FRACTION.fullmatch(text):  # float() would take "0_5", "nan", "١"
+        raise ValueError(f"{name}={raw!r}: expected a number in (0, 1], got {raw!r}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number in (0, 1], got {raw!r}") from None
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise ValueError(f"{name}={raw!r}: expected a number in (0, 1], got {value}")
+    return value
+
+
+def _env_enum(environ: Mapping[str, str], name: str, cls, default):
+    raw = _env_value(environ, name)
+    if raw is None:
+        return default
+    try:
+        return cls.parse(raw)
+    except ValueError:
+        valid = ", ".join(m.value for m in cls)
+        raise ValueError(f"{name}={raw!r}: expected one of [{valid}] (case-insensitive), got {raw!r}") from None
+
+
+def _env_paths(environ: Mapping[str, str], name: str) -> FrozenSet[IndexerPath]:
+    raw = _env_value(environ, name)
+    if raw is None:
+        return ALL_PATHS
+    valid = ", ".join(p.value for p in IndexerPath)
+    paths = set()
+    for item in raw.split(","):
+        key = item.strip().lower()
+        if key == "all":
+            paths.update(IndexerPath)
+            continue
+        match = [p for p in IndexerPath if key == p.value]
+        if not match:
+            raise ValueError(
+                f"{name}={raw!r}: expected a comma-separated list of [{valid}] or 'all', "
+                f"got unknown path {item.strip()!r}"
+            )
+        paths.add(match[0])
+    return frozenset(paths)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerTopologySettings:
+    """What the indexer's policy hook does; immutable, validated once.
+
+    Attributes
+    ----------
+    policy : TopologyKVPolicyConfig
+        Mode, block counts, structural fraction, mismatch action. Its ``block_size`` is
+        the drift block (the KV page, 64 tokens).
+    paths : frozenset of IndexerPath
+        Paths the policy runs on when enabled; the others return the op's rows unchanged.
+    witness_signal : ServingWitnessSignal or its name
+        What the ``Indexer`` passes as witness scores: ``auto`` (default; recency for
+        ``topology_only``, key drift for the merge modes), ``key_drift`` (the caller's
+        ``BlockDriftTracker``) or ``recency`` (no scores, no tracker needed).
+    """
+
+    policy: TopologyKVPolicyConfig = dataclasses.field(default_factory=TopologyKVPolicyConfig)
+    paths: FrozenSet[IndexerPath] = ALL_PATHS
+    witness_signal: ServingWitnessSignal = ServingWitnessSignal.AUTO
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, TopologyKVPolicyConfig):
+            raise TypeError(f"policy: expected TopologyKVPolicyConfig, got {type(self.policy).__name__}")
+        object.__setattr__(self, "witness_signal", ServingWitnessSignal.parse(self.witness_signal))
+        paths = frozenset(self.paths)
+        for p in paths:
+            if not isinstance(p, IndexerPath):
+                raise TypeError(f"paths: expected IndexerPath members, got {p!r}")
+        object.__setattr__(self, "paths", paths)
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy.enabled
+
+    def applies_to(self, path: IndexerPath) -> bool:
+        return self.enabled and path in self.paths
+
+    @property
+    def resolved_witness_signal(self) -> ServingWitnessSignal:
+        """``KEY_DRIFT`` or ``RECENCY``: :attr:`witness_signal` with ``auto`` resolved for the mode."""
+        return self.witness_signal.resolve(self.policy.policy)
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] = os.environ, *, block_size: int = DEFAULT_BLOCK_SIZE
+    ) -> "IndexerTopologySettings":
+        """Read the ``RTP_LLM_TOPOLOGY_KV_*`` variables (module docstring); ``ValueError``
+        naming the variable and its value on anything invalid."""
+        mode = _env_enum(environ, ENV_POLICY, TopologyKVPolicyMode, TopologyKVPolicyMode.DISABLED)
+        sink = _env_count(environ, ENV_SINK_BLOCKS, 1, MAX_STRUCTURAL_BLOCKS)
+        local = _env_count(environ, ENV_LOCAL_BLOCKS, 2, MAX_STRUCTURAL_BLOCKS)
+        witness = _env_count(environ, ENV_WITNESS_BLOCKS, 2, MAX_STRUCTURAL_BLOCKS)
+        fraction = _env_fraction(environ, ENV_MAX_STRUCTURAL_FRACTION, 0.25)
+        action = _env_enum(
+            environ, ENV_MISMATCH_ACTION, CoordinateMismatchAction, CoordinateMismatchAction.FALLBACK_DISABLED
+        )
+        paths = _env_paths(environ, ENV_PATHS)
+        defaults = TopologyKVPolicyConfig()
+        raw_sink_tokens = _env_value(environ, ENV_SINK_TOKENS)
+        if raw_sink_tokens is not None and raw_sink_tokens.strip().lower() == "blocks":
+            sink_tokens = None
+        else:
+            sink_tokens = _env_count(
+                environ, ENV_SINK_TOKENS, defaults.sink_tokens, MAX_STRUCTURAL_BLOCKS * block_size
+            )
+        budget = _env_enum(environ, ENV_STRUCTURAL_BUDGET, StructuralBudget, defaults.structural_budget)
+        backend = _env_enum(environ, ENV_BACKEND, TopologyKVBackend, defaults.backend)
+        witness_signal = _env_enum(environ, ENV_WITNESS_SIGNAL, ServingWitnessSignal, ServingWitnessSignal.AUTO)
+        try:
+            policy = TopologyKVPolicyConfig(
+                policy=mode,
+                sink_blocks=sink,
+                local_blocks=local,
+                witness_blocks=witness,
+                block_size=block_size,
+                max_structural_fraction=fraction,
+                coordinate_mismatch_action=action,
+                sink_tokens=sink_tokens,
+                structural_budget=budget,
+                backend=backend,
+            )
+        except ValueError as err:
+            raise ValueError(
+                f"{ENV_POLICY}={mode.value!r} with {ENV_SINK_BLOCKS}={sink}, {ENV_SINK_TOKENS}="
+                f"{'blocks' if sink_tokens is None else sink_tokens}, {ENV_LOCAL_BLOCKS}={local}, "
+                f"{ENV_WITNESS_BLOCKS}={witness}: {err}"
+            ) from None
+        return cls(policy=policy, paths=paths, witness_signal=witness_signal)
+

@@ -1,0 +1,224 @@
+"""The topology KV policy as a fused C++ CPU kernel (one pass per row, rows in parallel).
+
+Same semantics as :func:`topology_kv_policy_core` (its docstring is the specification),
+for the three enabled modes, with or without ``learned_scores``, drift, offsets, token or
+block sinks, the scaled budget and compress mode's scaffold spans, plus the hardened
+coordinate contract: a *broken* row (negative offset, length ``<= 0``, ``offset + length
+- 1`` past the row dtype's maximum, a valid entry outside ``[offset, offset + length)``,
+padding before a valid entry, a duplicate valid entry, a drift table with fewer columns
+than the row's ``ceil(length / block_size)`` blocks) is returned unchanged and counted only
+in ``coordinate_mismatch_fallbacks``. Interval arithmetic is int64 whatever the dtypes.
+
+Shapes and dtypes
+-----------------
+topk_indices : int32/int64 ``[R, W]`` (any strides); ``out`` the same shape and dtype
+lengths, offsets, scaffold_lengths : int32/int64 ``[R]`` (any stride, e.g. expanded)
+drift : float ``[R, N]``; learned_scores : float ``[R, W]``. Both are read as fp32 after
+    ``.to(torch.float32)``, as the core does (fp16/bf16 exactly; fp64 rounded to fp32, so
+    distinct fp64 scores may tie)
+counters : int64 ``[len(COUNTER_NAMES)]`` in :data:`COUNTER_NAMES` order, *accumulated*
+mismatch_rows : optional bool ``[R]``, written (True = broken row)
+
+The kernel (``topology_kv_policy_cpu.cpp``) is compiled on first use with
+:func:`torch.utils.cpp_extension.load` into ``$TORCH_EXTENSIONS_DIR`` (default: the
+per-user cache ``$XDG_CACHE_HOME/torch_extensions`` or ``~/.cache/torch_extensions``), in a
+folder named after a hash of the source, Python and torch versions: once per process, and
+reused from disk by later processes. :func:`can_use_cpu_kernel` never raises; a failed
+build is remembered and reported when the kernel is called anyway.
+
+Nothing is read on the host: the wrapper only checks metadata (shapes, dtypes, devices).
+``out`` may be ``topk_indices`` itself (each row is read before it is written), but must not
+otherwise overlap the inputs. ``TOPOLOGY_ONLY``'s learned kept / evicted / structural
+injected counters (lazy in ``apply_topology_kv_policy``) are computed directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from typing import Optional, Tuple, Union
+
+import torch
+
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import TopologyKVPolicyMode
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.torch_core import COUNTER_NAMES
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_fused.cpp")
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_GRAIN_ENTRIES = 32768  # at least this many row entries per thread
+# -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into the
+# extension (without it, rows run serially); libgomp.so.1 resolves to the one torch loaded,
+# so torch.set_num_threads applies.
+_CFLAGS = ["-O3", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_ext = None  # the loaded extension module
+_error: Optional[BaseException] = None  # why the build failed (kept for a clear message)
+
+
+def _build_directory(name: str) -> str:
+    base = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not base:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = os.path.join(cache, "torch_extensions")
+    return os.path.join(base, name)
+
+
+def _load():
+    """The compiled extension (built once per process, cached on disk); raises on failure."""
+    global _ext, _error
+    if _ext is not None:
+        return _ext
+    with _lock:
+        if _ext is None and _error is None:
+            try:
+                from torch.utils.cpp_extension import load
+
+                with open(_SOURCE, "rb") as f:
+                    digest = hashlib.sha256(f.read())
+                digest.update(f"{sys.version_info[:2]}-{torch.__version__}-{_CFLAGS}-{_LDFLAGS}".encode())
+                name = f"topology_kv_policy_cpu_{digest.hexdigest()[:16]}"
+                build_dir = _build_directory(name)
+                os.makedirs(build_dir, exist_ok=True)
+                _ext = load(name=name, sources=[_SOURCE], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                            build_directory=build_dir, verbose=False)
+            except Exception as exc:  # compiler missing, read-only cache, ...
+                _error = exc
+        if _ext is None:
+            raise RuntimeError(f"topology_kv_policy_cpu: the C++ extension did not build: {_error!r}") from _error
+        return _ext
+
+
+def can_use_cpu_kernel(device: Union[torch.device, str]) -> bool:
+    """Whether :func:`topology_kv_policy_cpu` can run on ``device`` (CPU, and the build works).
+
+    Builds the extension on the first CPU query (cached); never raises: a failed build
+    returns False and its error is kept for :func:`topology_kv_policy_cpu`'s message.
+    """
+    try:
+        if torch.device(device).type != "cpu":
+            return False
+        _load()
+        return True
+    except Exception:
+        return False
+
+
+def build_error() -> Optional[str]:
+    """Why the extension did not build (after a failed :func:`can_use_cpu_kernel`), or None."""
+    return None if _error is None else repr(_error)
+
+
+def _vec(name: str, t, R: int) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name}: expected an int32/int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if tuple(t.shape) != (R,) or t.device.type != "cpu":
+        raise ValueError(f"{name}: expected shape ({R},) on cpu, got {tuple(t.shape)} on {t.device}")
+
+
+def topology_kv_policy_cpu(
+    topk_indices: torch.Tensor,
+    lengths: torch.Tensor,
+    offsets: Optional[torch.Tensor],
+    drift: Optional[torch.Tensor],
+    learned_scores: Optional[torch.Tensor],
+    scaffold_lengths: Optional[torch.Tensor],
+    *,
+    mode: Union[TopologyKVPolicyMode, str],
+    sink_blocks: int,
+    local_blocks: int,
+    witness_blocks: int,
+    block_size: int,
+    structural_cap: int,
+    sink_tokens: Optional[int] = None,
+    scale_budget_by_length: bool = False,
+    out: Optional[torch.Tensor] = None,
+    counters: Optional[torch.Tensor] = None,
+    mismatch_rows: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`topology_kv_policy_core` as one fused C++ pass per row (CPU tensors only).
+
+    Parameters
+    ----------
+    topk_indices : int32/int64 ``[R, W]`` learned rows (valid entries first, then padding)
+    lengths : int32/int64 ``[R]`` causal lengths
+    offsets : int32/int64 ``[R]`` row offsets, or None (all zero)
+    drift : float ``[R, N]`` witness scores, or None (most recent blocks win)
+    learned_scores : float ``[R, W]`` aligned with ``topk_indices``, or None (merge modes
+        evict the row's last entries); ignored by ``TOPOLOGY_ONLY``
+    scaffold_lengths : int32/int64 ``[R]`` (compress mode), or None (no compression)
+    mode, sink_blocks, local_blocks, witness_blocks, block_size, structural_cap,
+    sink_tokens, scale_budget_by_length : as in :func:`topology_kv_policy_core`
+    out : like ``topk_indices``, or None (allocated). Fully overwritten.
+    counters : int64 ``[len(COUNTER_NAMES)]``, or None (zeros allocated). The call *adds*
+        its counts in :data:`COUNTER_NAMES` order; for ``TOPOLOGY_ONLY`` including the
+        learned kept / evicted / structural injected counts.
+    mismatch_rows : bool ``[R]`` or None; when given, set to the broken-row flags.
+
+    Returns
+    -------
+    ``(out, counters)``: int ``[R, W]`` (``topk_indices``' dtype) and the int64 counters.
+    """
+    mode = TopologyKVPolicyMode.parse(mode)
+    if mode is TopologyKVPolicyMode.DISABLED:
+        raise ValueError("mode: expected an enabled TopologyKVPolicyMode, got disabled")
+    x = topk_indices
+    if not isinstance(x, torch.Tensor) or x.dtype not in _INDEX_DTYPES or x.dim() != 2:
+        raise TypeError("topk_indices: expected an int32/int64 tensor [R, W]")
+    if x.device.type != "cpu":
+        raise ValueError(f"topk_indices: expected a CPU tensor, got {x.device}")
+    bs = int(block_size)
+    if bs < 1:
+        raise ValueError(f"block_size: expected >= 1, got {block_size}")
+    for name, v in (("sink_blocks", sink_blocks), ("local_blocks", local_blocks), ("witness_blocks", witness_blocks)):
+        if int(v) < 0:
+            raise ValueError(f"{name}: expected >= 0, got {v}")
+    if sink_tokens is not None and int(sink_tokens) < 0:
+        raise ValueError(f"sink_tokens: expected >= 0 or None, got {sink_tokens}")
+    R, W = x.shape
+    _vec("lengths", lengths, R)
+    if offsets is not None:
+        _vec("offsets", offsets, R)
+    only = mode is TopologyKVPolicyMode.TOPOLOGY_ONLY
+    compress = mode is TopologyKVPolicyMode.TOPOLOGY_COMPRESS_SPARSE and scaffold_lengths is not None
+    if compress:
+        _vec("scaffold_lengths", scaffold_lengths, R)
+    if drift is not None:
+        if (not isinstance(drift, torch.Tensor) or not drift.is_floating_point() or drift.dim() != 2
+                or drift.shape[0] != R or drift.device.type != "cpu"):
+            raise ValueError(f"drift: expected a float tensor [{R}, N] on cpu")
+        drift = drift.to(torch.float32)  # as the core (schedule.witness_blocks_unchecked)
+    scores = None if only else learned_scores
+    if scores is not None:
+        if (not isinstance(scores, torch.Tensor) or not scores.is_floating_point()
+                or tuple(scores.shape) != (R, W) or scores.device.type != "cpu"):
+            raise ValueError(f"learned_scores: expected a float tensor [{R}, {W}] on cpu")
+        scores = scores.to(torch.float32)  # as the core (score_sort_keys)
+    if out is None:
+        out = torch.empty((R, W), dtype=x.dtype)
+    elif (not isinstance(out, torch.Tensor) or out.dtype != x.dtype or tuple(out.shape) != (R, W)
+          or out.device.type != "cpu"):
+        raise ValueError(f"out: expected {x.dtype} [{R}, {W}] on cpu")
+    if counters is None:
+        counters = torch.zeros(len(COUNTER_NAMES), dtype=torch.int64)
+    elif (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int64
+          or tuple(counters.shape) != (len(COUNTER_NAMES),) or counters.device.type != "cpu"):
+        raise ValueError(f"counters: expected int64 [{len(COUNTER_NAMES)}] on cpu")
+    if mismatch_rows is not None and (
+        not isinstance(mismatch_rows, torch.Tensor) or mismatch_rows.dtype != torch.bool
+        or tuple(mismatch_rows.shape) != (R,) or mismatch_rows.device.type != "cpu"
+    ):
+        raise ValueError(f"mismatch_rows: expected bool [{R}] on cpu")
+    if R == 0:
+        return out, counters
+    n_wit = (W + bs - 1) // bs + 1 if only else int(witness_blocks)
+    _load().run(
+        x, out, lengths, offsets, drift, scores, scaffold_lengths if compress else None, counters, mismatch_rows,
+        only, compress, int(sink_blocks), int(local_blocks), n_wit, bs, int(structural_cap),
+        -1 if sink_tokens is None else int(sink_tokens), bool(scale_budget_by_length) and not only,
+        max(1, _GRAIN_ENTRIES // max(W, 1)),
+    )
+    return out, counters

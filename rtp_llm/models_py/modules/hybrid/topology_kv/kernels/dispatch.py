@@ -1,0 +1,211 @@
+"""The one dispatch point of the policy core: torch, compiled torch, Triton, fused C++.
+
+:func:`apply_topology_kv_policy` calls :func:`run_policy_core` with a
+:class:`TopologyKVBackend` (``backend=`` argument, else the config's, else
+``RTP_LLM_TOPOLOGY_KV_BACKEND``). Every backend computes exactly what
+:func:`topology_kv_policy_core` computes, rows and counters bit for bit (each kernel's
+test compares them on hand-computed cases and a hypothesis suite); they differ in cost:
+
+========== ============================================ =====================================
+backend    runs on                                      cost per layer call
+========== ============================================ =====================================
+torch      any device                                   ~30 eager ops, each a pass or launch
+compiled   CPU (inductor C++), CUDA (inductor Triton)   fused by inductor; first call compiles
+                                                        (tens of seconds), rows are dynamic
+triton     CUDA; CPU only with TRITON_INTERPRET=1       one launch, one program per row
+cpu_fused  CPU (C++ extension built at first use)       one pass per row, rows in parallel
+========== ============================================ =====================================
+
+``auto`` picks ``triton`` on CUDA and ``cpu_fused`` on CPU when :func:`can_use_backend`
+says they can run, else ``torch``. A backend forced by name that cannot run on the
+device raises ``ValueError`` naming the backend, the device and why.
+
+Output buffers: every backend writes into a caller-provided ``out`` (``[R, W]``, the rows'
+dtype) and *adds* its counters into a caller-provided ``counters_out`` (int64
+``[len(COUNTER_NAMES)]``) when given; with both, the Triton path allocates nothing and
+reads nothing on the host, so a CUDA graph can capture it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_fused as topology_kv_policy_cpu
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import TopologyKVBackend, TopologyKVPolicyMode
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.torch_core import COUNTER_NAMES, topology_kv_policy_core
+
+
+def _triton_module():
+    """``topology_kv_policy_triton``, imported on first use: triton is a large optional
+    import, and ``TRITON_INTERPRET`` must be set before it for CPU runs, so nothing imports
+    it until a caller asks for the ``triton`` backend (or ``auto`` on a CUDA device)."""
+    from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import triton_fused as topology_kv_policy_triton
+
+    return topology_kv_policy_triton
+
+
+# Counters the torch core leaves to be computed lazily for TOPOLOGY_ONLY (off its hot path).
+LAZY_ONLY_COUNTERS = ("learned_kept_tokens", "learned_evicted_tokens", "structural_injected_tokens")
+
+
+def _why_not(backend: TopologyKVBackend, device: torch.device) -> Optional[str]:
+    """None when ``backend`` can run on ``device``, else the reason (for the error)."""
+    if backend is TopologyKVBackend.TORCH:
+        return None
+    if backend is TopologyKVBackend.COMPILED:
+        if device.type in ("cpu", "cuda"):
+            return None
+        return f"torch.compile of the core is supported on cpu and cuda, not {device.type}"
+    if backend is TopologyKVBackend.TRITON:
+        triton_kernel = _triton_module()
+        if triton_kernel.can_use_triton(device):
+            return None
+        if triton_kernel.triton is None:
+            return "triton does not import"
+        if device.type == "cpu":
+            return "triton runs on CPU tensors only under TRITON_INTERPRET=1 (set before import)"
+        return f"triton needs a CUDA device, got {device}"
+    if backend is TopologyKVBackend.CPU_FUSED:
+        if device.type != "cpu":
+            return f"the fused C++ kernel runs on CPU tensors, got {device}"
+        if topology_kv_policy_cpu.can_use_cpu_kernel(device):
+            return None
+        return f"its C++ extension did not build ({topology_kv_policy_cpu.build_error()})"
+    return f"unknown backend {backend}"
+
+
+def can_use_backend(backend, device) -> bool:
+    """Whether ``backend`` (a :class:`TopologyKVBackend` or its name) can run on ``device``.
+
+    ``auto`` can always run (it falls back to ``torch``). Never raises for a known backend.
+    """
+    backend = TopologyKVBackend.parse(backend)
+    if backend is TopologyKVBackend.AUTO:
+        return True
+    return _why_not(backend, torch.device(device)) is None
+
+
+def resolve_backend(backend, device) -> TopologyKVBackend:
+    """The concrete backend that runs on ``device``: ``auto`` resolved, a forced one checked.
+
+    Raises ``ValueError`` naming the backend, the device and the reason when a backend
+    forced by name cannot run there. Cached per (backend, device): whether a backend can
+    run does not change within a process, and the policy calls this on every layer.
+    """
+    return _resolve_cached(TopologyKVBackend.parse(backend), torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve_cached(backend: TopologyKVBackend, device: torch.device) -> TopologyKVBackend:
+    if backend is TopologyKVBackend.AUTO:
+        preferred = TopologyKVBackend.TRITON if device.type == "cuda" else TopologyKVBackend.CPU_FUSED
+        return preferred if _why_not(preferred, device) is None else TopologyKVBackend.TORCH
+    reason = _why_not(backend, device)
+    if reason is not None:
+        raise ValueError(f"backend: {backend.value!r} cannot run on {device}: {reason}")
+    return backend
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_core() -> Callable:
+    """``torch.compile(topology_kv_policy_core, fullgraph=True, dynamic=True)``, made once.
+
+    ``dynamic=True`` marks the row count (and width) dynamic, so a new number of rows per
+    step reuses the compiled graph; a new mode or block layout (constants of the call)
+    compiles once more. The first call per configuration compiles (tens of seconds on CPU).
+    """
+    return torch.compile(topology_kv_policy_core, fullgraph=True, dynamic=True)
+
+
+def run_policy_core(
+    backend: TopologyKVBackend,
+    topk_indices: torch.Tensor,
+    lengths: torch.Tensor,
+    offsets: Optional[torch.Tensor],
+    drift: Optional[torch.Tensor],
+    learned_scores: Optional[torch.Tensor],
+    scaffold_lengths: Optional[torch.Tensor],
+    *,
+    mode: TopologyKVPolicyMode,
+    out: Optional[torch.Tensor] = None,
+    counters_out: Optional[torch.Tensor] = None,
+    **params,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Optional[Callable[[], Dict[str, torch.Tensor]]]]:
+    """Run the core on a resolved ``backend`` (see :func:`resolve_backend`).
+
+    ``params``: ``sink_blocks, local_blocks, witness_blocks, block_size, structural_cap,
+    sink_tokens, scale_budget_by_length`` as in :func:`topology_kv_policy_core`.
+
+    Returns ``(indices, counters, lazy)``: the rows (``out`` when given); counters as 0-dim
+    int64 tensors keyed by :data:`COUNTER_NAMES`, those known now; ``lazy`` (or None)
+    returns the rest when first read (views of the kernel's buffer, or of ``counters_out``,
+    i.e. the caller's running totals, when it is given; ``TOPOLOGY_ONLY``'s
+    :data:`LAZY_ONLY_COUNTERS` on the torch backends, a sort per row, off the hot path).
+    """
+    if backend in (TopologyKVBackend.TRITON, TopologyKVBackend.CPU_FUSED):
+        kernel = (
+            _triton_module().topology_kv_policy_triton
+            if backend is TopologyKVBackend.TRITON
+            else topology_kv_policy_cpu.topology_kv_policy_cpu
+        )
+        rows, buffer = kernel(
+            topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths,
+            mode=mode, out=out, counters=counters_out, **params,
+        )
+        # The per-name views cost ~1 us each on CPU: made only when a counter is read.
+        return rows, {}, lambda: buffer_counters(buffer)
+    core = compiled_core() if backend is TopologyKVBackend.COMPILED else topology_kv_policy_core
+    rows, counters = core(topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, mode=mode, **params)
+    mismatch_rows = counters.pop("mismatch_rows")
+    if out is not None:
+        out.copy_(rows)
+        rows = out
+    only = mode is TopologyKVPolicyMode.TOPOLOGY_ONLY
+    if counters_out is None:
+        if not only:
+            return rows, counters, None
+        return rows, counters, lambda: topology_only_counters(
+            topk_indices, rows, mismatch_rows, counters["selected_tokens"]
+        )
+    if only:
+        counters.update(topology_only_counters(topk_indices, rows, mismatch_rows, counters["selected_tokens"]))
+    counters_out.add_(torch.stack([counters[name] for name in COUNTER_NAMES]))
+    return rows, {}, lambda: buffer_counters(counters_out)
+
+
+def buffer_counters(buffer: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """0-dim views of an int64 ``[len(COUNTER_NAMES)]`` buffer, keyed by :data:`COUNTER_NAMES`."""
+    return {name: buffer[i] for i, name in enumerate(COUNTER_NAMES)}
+
+
+def topology_only_learned_kept(
+    topk_indices: torch.Tensor, out: torch.Tensor, mismatch_rows: torch.Tensor
+) -> torch.Tensor:
+    """Per row, how many learned entries ``TOPOLOGY_ONLY`` kept (``|learned & out|``).
+
+    Off the hot path (a sort per row): the torch backends compute it only when the
+    counter is read. Broken rows count 0. Returns int64 ``[R]``.
+    """
+    big = torch.iinfo(torch.int64).max
+    srt = torch.sort(torch.where(out >= 0, out.to(torch.int64), big), dim=1).values  # [R, W]
+    x = topk_indices.to(torch.int64)
+    pos = torch.searchsorted(srt, x).clamp(max=srt.shape[1] - 1)
+    hit = (torch.gather(srt, 1, pos) == x) & (x >= 0)
+    return torch.where(mismatch_rows, 0, hit.sum(dim=1))
+
+
+def topology_only_counters(
+    topk_indices: torch.Tensor, out: torch.Tensor, mismatch_rows: torch.Tensor, selected: torch.Tensor
+) -> Dict[str, torch.Tensor]:
+    """``TOPOLOGY_ONLY``'s learned counters from its output; 0-dim int64 tensors keyed by
+    :data:`LAZY_ONLY_COUNTERS` (broken rows count 0)."""
+    kept = topology_only_learned_kept(topk_indices, out, mismatch_rows)
+    learned = torch.where(mismatch_rows, 0, (topk_indices >= 0).sum(dim=1))
+    return {
+        "learned_kept_tokens": kept.sum(),
+        "learned_evicted_tokens": (learned - kept).sum(),
+        "structural_injected_tokens": selected - kept.sum(),
+    }

@@ -1,0 +1,483 @@
+"""Per-layer structural budgets from an offline calibration (docs/profile.md).
+
+A profile is a JSON file written by ``benchmark/topology_kv_calibrate.py``: for each
+full-attention layer of one model and each calibrated budget (``W / context``, e.g.
+``"1/16"``), the structural settings of its policy mode that measured the least
+attention-output error against dense. A merge-mode profile may give share 0: the layer then
+skips the policy (the learned rows are returned as they are, at zero cost). A
+``topology_only`` profile gives every layer share 1 (the structure is the whole row; there
+are no learned rows to fall back on) and varies the sink tokens per layer.
+
+Serving reads it once, when each ``Indexer`` is built (``RTP_LLM_TOPOLOGY_KV_PROFILE``),
+checks it against the model it serves (:class:`ModelFingerprint`, given by the caller),
+picks one budget entry (:meth:`TopologyKVProfile.pick_budget`) and turns the layer's entry
+into that layer's own immutable :class:`IndexerTopologySettings`
+(:func:`layer_topology_settings`). Nothing of it runs per call.
+
+Every error is a ``ValueError`` naming the file and the field, expected vs got.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
+    ENV_WITNESS_SIGNAL,
+    IndexerTopologySettings,
+    ServingWitnessSignal,
+    TopologyKVPolicyConfig,
+    TopologyKVPolicyMode,
+)
+
+PROFILE_FORMAT = "rtp_llm.topology_kv_profile"
+PROFILE_VERSION = 1
+ENV_PROFILE = "RTP_LLM_TOPOLOGY_KV_PROFILE"
+ENV_PROFILE_BUDGET = "RTP_LLM_TOPOLOGY_KV_PROFILE_BUDGET"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFingerprint:
+    """What a profile was calibrated on; serving must present the same model.
+
+    gguf_sha256 : hex sha256 of the weights file (the GGUF the calibration loaded)
+    name : a human-readable name (informational: not compared, a renamed file is the same model)
+    num_layers : decoder layers
+    full_attention_layers : indices of the layers whose attention the policy serves
+    """
+
+    gguf_sha256: str
+    name: str
+    num_layers: int
+    full_attention_layers: Tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gguf_sha256", str(self.gguf_sha256).strip().lower())
+        object.__setattr__(self, "full_attention_layers", tuple(int(i) for i in self.full_attention_layers))
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"num_layers: expected an int >= 1, got {self.num_layers!r}")
+        bad = [i for i in self.full_attention_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"full_attention_layers: expected indices in [0, {self.num_layers}), got {bad}")
+
+    @classmethod
+    def for_gguf_file(
+        cls, path: Union[str, Path], num_layers: int, full_attention_layers, name: Optional[str] = None
+    ) -> "ModelFingerprint":
+        """The fingerprint of a GGUF file (reads it once: sha256 in 1 MiB chunks)."""
+        path = Path(path)
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        return cls(digest.hexdigest(), name or path.name, num_layers, tuple(full_attention_layers))
+
+    def matches(self, other: "ModelFingerprint") -> bool:
+        return (self.gguf_sha256, self.num_layers, self.full_attention_layers) == (
+            other.gguf_sha256,
+            other.num_layers,
+            other.full_attention_layers,
+        )
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "gguf_sha256": self.gguf_sha256,
+            "name": self.name,
+            "num_layers": self.num_layers,
+            "full_attention_layers": list(self.full_attention_layers),
+        }
+
+    def describe(self) -> str:
+        return (
+            f"{self.name} (sha256 {self.gguf_sha256[:16]}..., {self.num_layers} layers, "
+            f"full attention {list(self.full_attention_layers)})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBudgetSetting:
+    """One layer's structural settings at one budget.
+
+    max_structural_fraction : share of ``W`` the structure may take; 0 = skip the policy
+        on this layer (the learned rows are returned unchanged). ``topology_only``: always 1
+    sink_tokens, local_blocks, witness_blocks : the components (0 = off), as in
+        :class:`TopologyKVPolicyConfig`
+    """
+
+    max_structural_fraction: float
+    sink_tokens: int
+    local_blocks: int
+    witness_blocks: int
+
+    @property
+    def skipped(self) -> bool:
+        return self.max_structural_fraction == 0
+
+    def to_json(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def budget_key(budget: Fraction) -> str:
+    """``Fraction(1, 16)`` -> ``"1/16"`` (the profile's budget keys)."""
+    return f"{budget.numerator}/{budget.denominator}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TopologyKVProfile:
+    """A validated profile (:func:`load_topology_profile`).
+
+    layers : layer index -> budget -> :class:`LayerBudgetSetting`, for every full-attention
+        layer of ``model`` and every budget of ``budgets``
+    reference_context : the longest calibrated context, the one :meth:`pick_budget` divides by
+    witness_signal : what ranked the witness blocks during calibration (``key_drift`` or
+        ``recency``); serving must resolve to the same (:func:`layer_topology_settings`).
+        None: not recorded (not checked)
+    """
+
+    path: str
+    model: ModelFingerprint
+    text: Mapping[str, str]
+    policy: TopologyKVPolicyMode
+    block_size: int
+    contexts: Tuple[int, ...]
+    budgets: Tuple[Fraction, ...]
+    command: str
+    layers: Mapping[int, Mapping[Fraction, LayerBudgetSetting]]
+    witness_signal: Optional[ServingWitnessSignal] = None
+
+    @property
+    def reference_context(self) -> int:
+        return max(self.contexts)
+
+    def pick_budget(self, width: int, override: Optional[Union[str, Fraction]] = None) -> Fraction:
+        """The budget entry serving uses at top-k width ``width`` (docs/profile.md).
+
+        ``override`` (``RTP_LLM_TOPOLOGY_KV_PROFILE_BUDGET``) must be one of the profile's
+        budgets. Otherwise: the calibrated budget nearest to ``width / reference_context``
+        in log scale (budgets are calibrated a factor of 2 apart), the smaller on a tie.
+        """
+        if override is not None:
+            try:
+                value = Fraction(str(override).strip()) if not isinstance(override, Fraction) else override
+            except (ValueError, ZeroDivisionError):
+                value = None
+            if value not in self.budgets:
+                raise ValueError(
+                    f"{ENV_PROFILE_BUDGET}: expected one of the budgets of {self.path} "
+                    f"[{', '.join(budget_key(b) for b in self.budgets)}], got {override!r}"
+                )
+            return value
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"width: expected an int >= 1 (the top-k width W), got {width!r}")
+        target = Fraction(width, self.reference_context)
+        # max(b / t, t / b) is exp|log b - log t|, in exact arithmetic (ties are real ties).
+        return min(self.budgets, key=lambda b: (max(b / target, target / b), b))
+
+    def served_mode(self, requested: Optional[TopologyKVPolicyMode] = None) -> TopologyKVPolicyMode:
+        """The mode the profile's entries run under when serving asks for ``requested``.
+
+        None or ``disabled``: the profile's own mode. A merge-mode profile serves either merge
+        mode (the entries mean the same: a share of ``W`` and its components; only the
+        compression of scaffold blocks differs); a ``topology_only`` profile serves only
+        ``topology_only`` (its entries are whole rows), and a merge mode cannot take it.
+        """
+        if requested is None or requested is TopologyKVPolicyMode.DISABLED:
+            return self.policy
+        requested = TopologyKVPolicyMode.parse(requested)
+        merge = (TopologyKVPolicyMode.TOPOLOGY_SPARSE_MERGE, TopologyKVPolicyMode.TOPOLOGY_COMPRESS_SPARSE)
+        if requested is self.policy or (requested in merge and self.policy in merge):
+            return requested
+        allowed = [m.value for m in merge] if self.policy in merge else [self.policy.value]
+        raise ValueError(
+            f"{self.path}: settings.policy: the profile calibrated {self.policy.value!r} but the policy is set "
+            f"to {requested.value!r}; unset it or set it to one of {allowed}"
+        )
+
+    def setting(self, layer_idx: int, budget: Fraction) -> Optional[LayerBudgetSetting]:
+        """The layer's entry, or None for a layer the profile does not cover (not full attention)."""
+        entry = self.layers.get(layer_idx)
+        return None if entry is None else entry[budget]
+
+    def layer_config(
+        self, layer_idx: int, budget: Fraction, base: TopologyKVPolicyConfig, mode: Optional[TopologyKVPolicyMode] = None
+    ) -> TopologyKVPolicyConfig:
+        """``base`` with this layer's structure; ``policy=disabled`` for a skipped or uncovered layer.
+
+        Mode: :meth:`served_mode` of ``mode`` (default the profile's). Block size comes from
+        the profile; the mismatch action, budget rule and backend from ``base`` (the environment).
+        """
+        mode = self.served_mode(mode)
+        entry = self.setting(layer_idx, budget)
+        if entry is None or entry.skipped:
+            return dataclasses.replace(base, policy=TopologyKVPolicyMode.DISABLED, block_size=self.block_size)
+        # The entry's four fields are TopologyKVPolicyConfig's own names.
+        return dataclasses.replace(base, policy=mode, block_size=self.block_size, **entry.to_json())
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _field(where: str, obj: Mapping[str, Any], name: str, kind, what: str):
+    if not isinstance(obj, dict) or name not in obj:
+        raise ValueError(f"{where}.{name}: expected {what}, missing")
+    value = obj[name]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"{where}.{name}: expected {what}, got {value!r}")
+    return value
+
+
+def _parse_budget(where: str, text: Any) -> Fraction:
+    try:
+        value = Fraction(str(text).strip())
+    except (ValueError, ZeroDivisionError):
+        value = None
+    if value is None or not 0 < value <= 1:
+        raise ValueError(f"{where}: expected a budget in (0, 1] such as \"1/16\", got {text!r}")
+    return value
+
+
+def _parse_setting(where: str, raw: Any, policy: TopologyKVPolicyMode, block_size: int) -> LayerBudgetSetting:
+    share = _field(where, raw, "max_structural_fraction", (int, float), "a number in [0, 1] (0 = skip the layer)")
+    counts = {
+        name: _field(where, raw, name, int, "an integer >= 0") for name in ("sink_tokens", "local_blocks", "witness_blocks")
+    }
+    unknown = sorted(set(raw) - {"max_structural_fraction", *counts})
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown fields {unknown}; expected max_structural_fraction, sink_tokens, "
+            "local_blocks, witness_blocks"
+        )
+    if not (math.isfinite(share) and 0 <= share <= 1):
+        raise ValueError(f"{where}.max_structural_fraction: expected a number in [0, 1], got {share!r}")
+    if policy is TopologyKVPolicyMode.TOPOLOGY_ONLY and share != 1:
+        raise ValueError(
+            f"{where}.max_structural_fraction: expected 1 for a topology_only profile (the structure is "
+            f"the whole row; a layer cannot skip to learned rows it does not have), got {share!r}"
+        )
+    setting = LayerBudgetSetting(float(share), **counts)
+    if not setting.skipped:
+        try:  # the same validation as every other config
+            TopologyKVPolicyConfig(policy=policy, block_size=block_size, **setting.to_json())
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: invalid settings: {err}") from None
+    else:
+        bad = {k: v for k, v in counts.items() if v < 0}
+        if bad:
+            raise ValueError(f"{where}: expected integers >= 0, got {bad}")
+    return setting
+
+
+def _parse_witness_signal(
+    where: str, settings: Mapping[str, Any], policy: TopologyKVPolicyMode
+) -> Optional[ServingWitnessSignal]:
+    """``settings.witness_signal`` resolved for ``policy``; absent = None (not checked).
+
+    ``default`` (the harness's name) and ``auto`` resolve as serving's ``auto`` does; a signal
+    serving cannot compute (the harness's query-aware ones) is refused.
+    """
+    if "witness_signal" not in settings:
+        return None
+    raw = settings["witness_signal"]
+    name = raw.strip().lower() if isinstance(raw, str) else raw
+    if name == "default":
+        name = ServingWitnessSignal.AUTO.value
+    try:
+        return ServingWitnessSignal.parse(name).resolve(policy)
+    except (TypeError, ValueError):
+        valid = ", ".join(s.value for s in ServingWitnessSignal)
+        raise ValueError(
+            f"{where}.witness_signal: expected a signal serving computes ({valid}, or default), got {raw!r}"
+        ) from None
+
+
+def parse_topology_profile(
+    data: Any, *, model_fingerprint: ModelFingerprint, source: str = "<profile>"
+) -> TopologyKVProfile:
+    """Validate decoded profile JSON (:func:`load_topology_profile` without the file)."""
+    if not isinstance(model_fingerprint, ModelFingerprint):
+        raise TypeError(f"model_fingerprint: expected ModelFingerprint, got {type(model_fingerprint).__name__}")
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    fmt = data.get("format")
+    if fmt != PROFILE_FORMAT:
+        raise ValueError(f"{source}: format: expected {PROFILE_FORMAT!r}, got {fmt!r}")
+    version = data.get("version")
+    if version != PROFILE_VERSION:
+        raise ValueError(f"{source}: version: expected {PROFILE_VERSION}, got {version!r}")
+    raw_model = _field(source, data, "model", dict, "the model's fingerprint object")
+    where = f"{source}: model"
+    try:
+        model = ModelFingerprint(
+            gguf_sha256=_field(where, raw_model, "gguf_sha256", str, "a hex sha256"),
+            name=_field(where, raw_model, "name", str, "a string"),
+            num_layers=_field(where, raw_model, "num_layers", int, "an integer >= 1"),
+            full_attention_layers=tuple(_field(where, raw_model, "full_attention_layers", list, "a list of layer indices")),
+        )
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+    if not model.matches(model_fingerprint):
+        raise ValueError(
+            f"{source}: model: the profile was made for {model.describe()}, but this model is "
+            f"{model_fingerprint.describe()}; calibrate this model (benchmark/topology_kv_calibrate.py)"
+        )
+    text = _field(source, data, "text", dict, "an object with name and sha256")
+    for name in ("name", "sha256"):
+        _field(f"{source}: text", text, name, str, "a string")
+    command = _field(source, data, "command", str, "the command line that made the profile")
+    settings = _field(source, data, "settings", dict, "the calibration settings object")
+    where = f"{source}: settings"
+    try:
+        policy = TopologyKVPolicyMode.parse(_field(where, settings, "policy", str, "a policy mode name"))
+    except ValueError as err:
+        raise ValueError(f"{where}.policy: {err}") from None
+    if policy is TopologyKVPolicyMode.DISABLED:
+        raise ValueError(f"{where}.policy: expected an enabled mode, got {policy.value!r}")
+    witness_signal = _parse_witness_signal(where, settings, policy)
+    block_size = _field(where, settings, "block_size", int, "an integer >= 1")
+    if block_size < 1:
+        raise ValueError(f"{where}.block_size: expected an integer >= 1, got {block_size}")
+    contexts = tuple(_field(where, settings, "contexts", list, "a list of context lengths"))
+    if not contexts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in contexts):
+        raise ValueError(f"{where}.contexts: expected a non-empty list of integers >= 1, got {list(contexts)}")
+    raw_budgets = _field(where, settings, "budgets", list, "a list of budgets such as \"1/16\"")
+    if not raw_budgets:
+        raise ValueError(f"{where}.budgets: expected a non-empty list, got []")
+    budgets = tuple(sorted({_parse_budget(f"{where}.budgets", b) for b in raw_budgets}))
+    raw_layers = _field(source, data, "layers", dict, "an object: layer index -> budget -> settings")
+    layers: Dict[int, Dict[Fraction, LayerBudgetSetting]] = {}
+    for key, per_budget in raw_layers.items():
+        try:
+            layer = int(key, 10)
+        except ValueError:
+            raise ValueError(f"{source}: layers: expected layer indices as keys, got {key!r}") from None
+        if layer not in model.full_attention_layers:
+            raise ValueError(
+                f"{source}: layers.{key}: expected a full-attention layer of the model "
+                f"{list(model.full_attention_layers)}, got {layer}"
+            )
+        if not isinstance(per_budget, dict):
+            raise ValueError(f"{source}: layers.{key}: expected an object budget -> settings, got {per_budget!r}")
+        entry: Dict[Fraction, LayerBudgetSetting] = {}
+        for bkey, raw in per_budget.items():
+            budget = _parse_budget(f"{source}: layers.{key}.{bkey}", bkey)
+            if budget not in budgets:
+                raise ValueError(
+                    f"{source}: layers.{key}.{bkey}: unknown budget key; expected one of settings.budgets "
+                    f"[{', '.join(budget_key(b) for b in budgets)}]"
+                )
+            entry[budget] = _parse_setting(f"{source}: layers.{key}.{bkey}", raw, policy, block_size)
+        missing = [budget_key(b) for b in budgets if b not in entry]
+        if missing:
+            raise ValueError(f"{source}: layers.{key}: missing budgets {missing}")
+        layers[layer] = entry
+    missing_layers = [i for i in model.full_attention_layers if i not in layers]
+    if missing_layers:
+        raise ValueError(
+            f"{source}: layers: missing full-attention layers {missing_layers} "
+            f"(expected all of {list(model.full_attention_layers)})"
+        )
+    return TopologyKVProfile(
+        path=source,
+        model=model,
+        text=dict(text),
+        policy=policy,
+        block_size=block_size,
+        contexts=tuple(sorted(contexts)),
+        budgets=budgets,
+        command=command,
+        layers=layers,
+        witness_signal=witness_signal,
+    )
+
+
+def load_topology_profile(path: Union[str, Path], *, model_fingerprint: ModelFingerprint) -> TopologyKVProfile:
+    """Read and validate the profile at ``path`` for the model ``model_fingerprint``.
+
+    Raises ``ValueError`` naming the file and the field: unreadable file or bad JSON,
+    wrong format/version, a profile made for another model (both fingerprints given),
+    missing layers or budgets, unknown budget keys, settings the policy config rejects.
+    """
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{source}: cannot read the topology KV profile: {err}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{source}: not valid JSON: {err}") from None
+    return parse_topology_profile(data, model_fingerprint=model_fingerprint, source=source)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_profile(path: str, mtime_ns: int, size: int, fingerprint: ModelFingerprint) -> TopologyKVProfile:
+    return load_topology_profile(path, model_fingerprint=fingerprint)
+
+
+def profile_from_env(
+    environ: Mapping[str, str] = os.environ, *, model_fingerprint: Optional[ModelFingerprint]
+) -> Tuple[Optional[TopologyKVProfile], Optional[str]]:
+    """``(profile, budget override)`` from ``RTP_LLM_TOPOLOGY_KV_PROFILE[_BUDGET]``; (None, None) when unset.
+
+    The file is parsed once per (path, modification time, size, model), not once per
+    layer: every ``Indexer`` of a model gets the same object.
+    """
+    raw = environ.get(ENV_PROFILE)
+    override = environ.get(ENV_PROFILE_BUDGET)
+    override = override.strip() if override and override.strip() else None
+    if raw is None or not raw.strip():
+        if override is not None:
+            raise ValueError(f"{ENV_PROFILE_BUDGET}={override!r}: expected {ENV_PROFILE} to be set too")
+        return None, None
+    if model_fingerprint is None:
+        raise ValueError(
+            f"{ENV_PROFILE}={raw!r}: expected the Indexer to be built with model_fingerprint= "
+            "(ModelFingerprint of the served model) so the profile can be checked against it, got None"
+        )
+    path = raw.strip()
+    try:
+        stat = os.stat(path)
+    except OSError as err:
+        raise ValueError(f"{ENV_PROFILE}={raw!r}: cannot read the topology KV profile: {err}") from None
+    try:
+        return _cached_profile(path, stat.st_mtime_ns, stat.st_size, model_fingerprint), override
+    except ValueError as err:
+        raise ValueError(f"{ENV_PROFILE}: {err}") from None
+
+
+def layer_topology_settings(
+    settings: IndexerTopologySettings,
+    profile: TopologyKVProfile,
+    layer_idx: int,
+    width: int,
+    budget_override: Optional[Union[str, Fraction]] = None,
+) -> IndexerTopologySettings:
+    """One layer's settings: ``settings`` with the profile's entry for this layer at the picked budget.
+
+    ``width`` is the layer's top-k width ``W``; the block size of ``settings`` must equal the
+    profile's (the KV page the calibration used).
+    """
+    if settings.policy.block_size != profile.block_size:
+        raise ValueError(
+            f"{profile.path}: settings.block_size: expected {settings.policy.block_size} (the indexer's KV "
+            f"page), got {profile.block_size}"
+        )
+    mode = profile.served_mode(settings.policy.policy)
+    served = settings.witness_signal.resolve(mode)
+    if profile.witness_signal is not None and served is not profile.witness_signal:
+        raise ValueError(
+            f"{profile.path}: settings.witness_signal: the profile was calibrated with "
+            f"{profile.witness_signal.value!r} witnesses, but serving resolves to {served.value!r}; "
+            f"set {ENV_WITNESS_SIGNAL} to {profile.witness_signal.value!r} or calibrate with "
+            f"--witness-signal {served.value}"
+        )
+    budget = profile.pick_budget(width, budget_override)
+    config = profile.layer_config(layer_idx, budget, settings.policy, mode)
+    return dataclasses.replace(settings, policy=config)

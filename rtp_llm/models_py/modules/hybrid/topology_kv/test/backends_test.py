@@ -1,0 +1,140 @@
+"""The policy's one dispatch point: backend choice, clear errors, caller buffers, compiled.
+
+The backends' semantics are pinned elsewhere, bit for bit against the torch core
+(``test_topology_kv_policy.py`` runs on every backend the device has; the kernels have
+their own suites). Here: which backend runs, what a forced one that cannot run says, the
+``out=`` / ``counters_out=`` contract on every backend, and the compiled path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
+    ENV_BACKEND,
+    ENV_POLICY,
+    CoordinateMismatchAction,
+    IndexerTopologySettings,
+    TopologyKVBackend,
+    TopologyKVPolicyConfig,
+    TopologyKVPolicyMode,
+)
+from rtp_llm.models_py.modules.hybrid.topology_kv.policy import COUNTER_NAMES, apply_topology_kv_policy
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import (
+    can_use_backend,
+    compiled_core,
+    resolve_backend,
+)
+from tools.device_under_test import DEVICE
+
+MODES = [TopologyKVPolicyMode.TOPOLOGY_SPARSE_MERGE, TopologyKVPolicyMode.TOPOLOGY_COMPRESS_SPARSE,
+         TopologyKVPolicyMode.TOPOLOGY_ONLY]
+CONCRETE = [b for b in TopologyKVBackend if b is not TopologyKVBackend.AUTO and b is not TopologyKVBackend.COMPILED]
+
+
+def _config(mode, **kw):
+    return TopologyKVPolicyConfig(
+        policy=mode, local_blocks=1, witness_blocks=1, block_size=4, max_structural_fraction=0.5,
+        coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED, **kw,
+    )
+
+
+def _rows(R, W, L, seed, dtype=torch.int32):
+    """Engine-style rows: W distinct positions of [0, L) in random order (all when L <= W)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(R):
+        toks = list(range(L)) if L <= W else torch.randperm(L, generator=g)[:W].tolist()
+        rows.append(toks + [-1] * (W - len(toks)))
+    return torch.tensor(rows, dtype=dtype).to(DEVICE)
+
+
+def test_auto_picks_the_fused_kernel_the_device_runs_else_torch():
+    device = torch.device(DEVICE)
+    want = TopologyKVBackend.TRITON if device.type == "cuda" else TopologyKVBackend.CPU_FUSED
+    got = resolve_backend("auto", device)
+    assert got is (want if can_use_backend(want, device) else TopologyKVBackend.TORCH)
+    assert resolve_backend("torch", device) is TopologyKVBackend.TORCH
+    assert can_use_backend("auto", "meta") and resolve_backend("AUTO", "meta") is TopologyKVBackend.TORCH
+
+
+@pytest.mark.parametrize(
+    "backend, device, reason",
+    [
+        ("cpu_fused", "cuda", "runs on CPU tensors"),
+        ("cpu_fused", "meta", "runs on CPU tensors"),
+        ("triton", "meta", "triton"),
+        ("compiled", "meta", "supported on cpu and cuda"),
+    ],
+)
+def test_a_forced_backend_that_cannot_run_names_itself_the_device_and_why(backend, device, reason):
+    assert not can_use_backend(backend, device)
+    with pytest.raises(ValueError, match=rf"backend: '{backend}' cannot run on {device}: .*{reason}"):
+        resolve_backend(backend, device)
+
+
+def test_unknown_backend_names_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"backend: expected one of \[auto, torch, compiled, triton, cpu_fused\]"):
+        TopologyKVPolicyConfig(backend="cuda_graph")
+    with pytest.raises(ValueError, match=ENV_BACKEND):
+        IndexerTopologySettings.from_env({ENV_POLICY: "topology_only", ENV_BACKEND: "fast"})
+    settings = IndexerTopologySettings.from_env({ENV_POLICY: "topology_only", ENV_BACKEND: " Torch "})
+    assert settings.policy.backend is TopologyKVBackend.TORCH
+    assert IndexerTopologySettings.from_env({}).policy.backend is TopologyKVBackend.AUTO
+
+
+@pytest.mark.parametrize("backend", CONCRETE, ids=lambda b: b.value)
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_out_and_counters_out_buffers_on_every_backend(backend, mode):
+    if not can_use_backend(backend, DEVICE):
+        pytest.skip(f"{backend.value} cannot run on {DEVICE}")
+    x = _rows(5, 12, 40, seed=1)
+    lengths = torch.tensor([40, 12, 7, 40, 33], dtype=torch.int32, device=DEVICE)
+    x[1, :] = _rows(1, 12, 12, seed=2)[0]
+    x[2, :] = torch.tensor(list(range(7)) + [-1] * 5, dtype=torch.int32, device=DEVICE)
+    x[4, 3] = x[4, 2]  # a duplicate: broken row, returned unchanged and counted
+    before = x.clone()
+    config = _config(mode)
+    plain = apply_topology_kv_policy(x, lengths, config=config, backend="torch")
+    expected = plain.counters.to_dict()
+    out = torch.full_like(x, 7)
+    totals = torch.zeros(len(COUNTER_NAMES), dtype=torch.int64, device=DEVICE)
+    for call in (1, 2):
+        res = apply_topology_kv_policy(x, lengths, config=config, backend=backend, out=out, counters_out=totals)
+        assert res.indices is out
+        assert torch.equal(out, plain.indices), f"call {call}: rows differ from the torch backend"
+        got = {name: int(totals[i]) for i, name in enumerate(COUNTER_NAMES)}
+        assert got == {name: call * expected[name] for name in COUNTER_NAMES}, f"call {call}"
+        assert {n: v for n, v in res.counters.to_dict().items() if n != "compression_hits"} == got
+    assert expected["coordinate_mismatch_fallbacks"] == 1
+    assert torch.equal(x, before), "input modified"
+
+
+def test_buffers_are_validated_and_never_the_input():
+    x = _rows(2, 8, 20, seed=3)
+    lengths = torch.tensor([20, 20], dtype=torch.int32, device=DEVICE)
+    config = _config(MODES[0])
+    with pytest.raises(ValueError, match="out: expected a buffer apart from topk_indices"):
+        apply_topology_kv_policy(x, lengths, config=config, out=x)
+    with pytest.raises(TypeError, match=r"out: expected dtype in \[int32\], got torch.int64"):
+        apply_topology_kv_policy(x, lengths, config=config, out=x.to(torch.int64))
+    with pytest.raises(ValueError, match=r"counters_out: expected shape \(8,\), got \(3,\)"):
+        apply_topology_kv_policy(x, lengths, config=config, counters_out=torch.zeros(3, dtype=torch.int64, device=DEVICE))
+
+
+def test_compiled_backend_equals_torch_and_reuses_its_graph_as_rows_change():
+    torch._dynamo.reset()
+    compiled_core.cache_clear()
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    dynamo_counters.clear()
+    config = _config(MODES[0], backend="compiled")
+    for R in (3, 5, 9):  # a new row count each step, as decode batches change
+        x = _rows(R, 16, 64, seed=R)
+        lengths = torch.full((R,), 64, dtype=torch.int32, device=DEVICE)
+        got = apply_topology_kv_policy(x, lengths, config=config)
+        want = apply_topology_kv_policy(x, lengths, config=config, backend="torch")
+        assert torch.equal(got.indices, want.indices) and got.counters.to_dict() == want.counters.to_dict()
+    frames = dynamo_counters["stats"]["unique_graphs"]
+    assert frames <= 2, f"recompiled as the row count changed: {frames} graphs for 3 row counts"
