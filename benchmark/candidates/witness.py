@@ -13,7 +13,6 @@ head dim, ``L`` KV length. Public functions validate; ``_unchecked`` variants ne
 
 from __future__ import annotations
 
-import enum
 from typing import Optional, Tuple, Union
 
 import torch
@@ -25,37 +24,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import (
     check_lengths,
     check_tensor,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv.config import DEFAULT_BLOCK_SIZE, parse_enum_member
-
-
-class WitnessSignal(enum.Enum):
-    """What ranks the witness blocks (the caller computes it; the policy takes the scores).
-
-    KEY_DRIFT      ``||c_k[b] - c_k[b-1]||`` of key centroids: where the content changes
-                   (the seed's signal; query-independent, one vector per request).
-    VALUE_DRIFT    the same on value centroids: information the key-only indexer never sees.
-    QUERY_CENTROID ``sum_h relu(q_h . c_k[b, g(h)])``: the row's own query against each
-                   block's key centroid, DSA's indexer form at block granularity (N dot
-                   products per head instead of L; a coarse, cheap second opinion).
-    QUERY_MASS     the row's query against each block's key centroid, softmax-normalized
-                   over the row's blocks per head (scale ``D ** -0.5``) and summed over heads:
-                   the estimated attention mass of each block, i.e. the recall a witness
-                   adds. Same side table as QUERY_CENTROID; the softmax makes every head
-                   count equally, as the recall metric does.
-    QUERY_BOUND    as QUERY_MASS, with ``sum_d max(q_d kmin_d, q_d kmax_d)`` (an upper bound
-                   on ``q . k`` over the block, as in Quest) in place of the centroid dot
-                   product. Two ``[N, Hkv, D]`` side tables (per-channel key min and max).
-    """
-
-    KEY_DRIFT = "key_drift"
-    VALUE_DRIFT = "value_drift"
-    QUERY_CENTROID = "query_centroid"
-    QUERY_MASS = "query_mass"
-    QUERY_BOUND = "query_bound"
-
-    @classmethod
-    def parse(cls, value: Union[str, "WitnessSignal"]) -> "WitnessSignal":
-        return parse_enum_member(cls, value, "witness signal")
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import DEFAULT_BLOCK_SIZE, WitnessSignal  # noqa: F401 (the signals these compute)
 
 
 def query_centroid_scores(query: torch.Tensor, key_centroids: torch.Tensor) -> torch.Tensor:

@@ -302,7 +302,7 @@ def test_bad_policy_settings_name_the_field(change, message):
 def test_a_topology_only_profile_is_served_and_never_worse_than_locality_by_construction(tmp_path):
     from benchmark.quality.gate import GateThresholds, evaluate_gate, never_worse_pairs
     from benchmark.quality.runner import GridSettings, run_grid
-    from rtp_llm.models_py.modules.hybrid.topology_kv.config import ServingWitnessSignal, TopologyKVPolicyMode
+    from rtp_llm.models_py.modules.hybrid.topology_kv.config import WitnessSignal, TopologyKVPolicyMode
 
     lm = _tiny_model()
     tokens = torch.randint(0, 100, (1500,), generator=_gen(4)).tolist()
@@ -321,7 +321,7 @@ def test_a_topology_only_profile_is_served_and_never_worse_than_locality_by_cons
     path = tmp_path / "only.json"
     path.write_text(json.dumps(profile))
     loaded = load_topology_profile(path, model_fingerprint=model_fingerprint(lm))
-    assert loaded.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY and loaded.witness_signal is ServingWitnessSignal.RECENCY
+    assert loaded.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY and loaded.witness_signal is WitnessSignal.RECENCY
     for layer in (0, 2):
         indexer = Indexer(4, 32, 48, 8, layer_idx=layer, topology=IndexerTopologySettings.from_env({}, block_size=8),
                           topology_profile=loaded)

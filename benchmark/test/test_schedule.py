@@ -265,7 +265,7 @@ def test_inputs_not_mutated():
 
 
 def test_witness_signal_parsing():
-    from benchmark.candidates.witness import WitnessSignal
+    from rtp_llm.models_py.modules.hybrid.topology_kv.config import WitnessSignal
 
     assert WitnessSignal.parse("Query_Centroid") is WitnessSignal.QUERY_CENTROID
     with pytest.raises(ValueError, match="witness signal: expected one of \\[key_drift, value_drift"):

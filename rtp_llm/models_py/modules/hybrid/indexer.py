@@ -45,20 +45,17 @@ from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerKeyCache,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
-    ENV_MAX_STRUCTURAL_FRACTION,
     ENV_PATHS,
     IndexerPath,
     IndexerTopologySettings,
-    ServingWitnessSignal,
     TopologyKVPolicyMode,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
-from rtp_llm.models_py.modules.hybrid.topology_kv.policy import TopologyKVCounters, apply_topology_kv_policy
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import resolve_backend
+from rtp_llm.models_py.modules.hybrid.topology_kv.layer import TopologyKVLayerPolicy
+from rtp_llm.models_py.modules.hybrid.topology_kv.policy import TopologyKVCounters
 from rtp_llm.models_py.modules.hybrid.topology_kv.profile import (
     ModelFingerprint,
     TopologyKVProfile,
-    layer_topology_settings,
     profile_from_env,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.request import TopologyStepPlan
@@ -146,26 +143,13 @@ class Indexer(nn.Module):
             if topology_profile is None:
                 topology_profile, env_budget = profile_from_env(os.environ, model_fingerprint=model_fingerprint)
                 topology_profile_budget = topology_profile_budget or env_budget
-        if not isinstance(topology, IndexerTopologySettings):
-            raise TypeError(f"topology: expected IndexerTopologySettings, got {type(topology).__name__}")
-        if topology_profile is not None:
-            # Once, here: the layer keeps its own immutable settings; nothing runs per call.
-            topology = layer_topology_settings(
-                topology, topology_profile, layer_idx, index_topk, topology_profile_budget
-            )
-        policy = topology.policy
-        if policy.enabled and policy.policy is not TopologyKVPolicyMode.TOPOLOGY_ONLY:
-            if policy.structural_cap(index_topk) == 0:
-                raise ValueError(
-                    f"max_structural_fraction ({ENV_MAX_STRUCTURAL_FRACTION}): expected >= 1 / index_topk "
-                    f"(1/{index_topk}) so that {policy.policy.value} can inject a token, got "
-                    f"{policy.max_structural_fraction} (floor({index_topk} * {policy.max_structural_fraction}) = 0)"
-                )
-        if device is not None and policy.enabled:
-            resolve_backend(policy.backend, device)  # raises naming backend and device; builds once
-        self.topology = topology
-        # Resolved once: with recency no drift scores are passed (and no tracker is read).
-        self._witness_from_tracker = topology.resolved_witness_signal is ServingWitnessSignal.KEY_DRIFT
+        # Once, here: the layer's immutable policy (its profile entry applied, the layout
+        # derived, the backend resolved when the device is known); per call only tensors.
+        self.topology_layer = TopologyKVLayerPolicy.build(
+            topology, layer_idx=layer_idx, width=index_topk, device=device, profile=topology_profile,
+            profile_budget=topology_profile_budget,
+        )
+        self.topology = self.topology_layer.settings
         self._logged_skip_reasons = set()  # (reason, path) pairs already logged
 
     @property
@@ -173,7 +157,7 @@ class Indexer(nn.Module):
         """Whether ``_compute_topk`` reads the caller's ``BlockDriftTracker`` (the policy is
         on and its witnesses rank by key drift). False: the tracker may be skipped, and a
         ``topology_only`` deployment without an indexer scan needs no indexer keys at all."""
-        return self.topology.policy.enabled and self._witness_from_tracker
+        return self.topology_layer.reads_drift
 
     # ------------------------------------------------------------------ routing
 
@@ -469,7 +453,7 @@ class Indexer(nn.Module):
         # Witness scores: key drift from the tracker, or none with recency (witness_signal),
         # where the policy takes the most recent eligible blocks itself.
         drift = None
-        if self._witness_from_tracker and drift_tracker is not None:
+        if self.topology_layer.reads_drift and drift_tracker is not None:
             if drift_tracker.block_size != config.block_size:
                 raise ValueError(
                     f"drift_tracker.block_size: expected {config.block_size} (the policy's block), "
@@ -481,7 +465,7 @@ class Indexer(nn.Module):
                     f"got {drift_tracker.num_requests}"
                 )
             drift = drift_tracker.drift_scores()
-        elif self._witness_from_tracker and (
+        elif self.topology_layer.reads_drift and (
             config.witness_blocks > 0 or config.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY
         ):
             self._log_skip_once(
@@ -489,14 +473,7 @@ class Indexer(nn.Module):
                 path,
                 "no drift tracker: witness blocks fall back to the most recent eligible blocks",
             )
-        result = apply_topology_kv_policy(
-            topk,
-            lengths,
-            config=config,
-            topk_indices_offset=offsets,
-            block_drift_scores=drift,
-            row_to_request=row_to_request,
-            context=topology_context,
-            plan=topology_plan,
+        result = self.topology_layer.run(
+            topk, lengths, offsets, drift, row_to_request, context=topology_context, plan=topology_plan
         )
         return result.indices, result.counters

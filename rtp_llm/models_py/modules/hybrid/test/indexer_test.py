@@ -50,7 +50,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     ENV_PATHS,
     IndexerPath,
     IndexerTopologySettings,
-    ServingWitnessSignal,
+    WitnessSignal,
     TopologyKVPolicyConfig,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
@@ -244,7 +244,7 @@ def test_topology_only_default_serves_recency_without_reading_the_tracker(decode
     b = decode_case.batch
     known = engine_rows(b.row_lengths, b.row_offsets, torch.Generator().manual_seed(8))
     indexer = Indexer(HEADS, DIM, topology=IndexerTopologySettings(policy=TopologyKVPolicyConfig(policy=ONLY)))
-    assert indexer.topology.resolved_witness_signal is ServingWitnessSignal.RECENCY
+    assert indexer.topology.resolved_witness_signal is WitnessSignal.RECENCY
     assert not indexer.reads_drift
     assert not Indexer(HEADS, DIM).reads_drift  # policy disabled: nothing read either
     tracker = make_tracker(decode_case)
@@ -269,7 +269,7 @@ def test_topology_only_default_serves_recency_without_reading_the_tracker(decode
         IndexerTopologySettings(policy=TopologyKVPolicyConfig(policy=ONLY), witness_signal="key_drift"),
     ):
         drift_indexer = Indexer(HEADS, DIM, topology=settings)
-        assert drift_indexer.topology.resolved_witness_signal is ServingWitnessSignal.KEY_DRIFT
+        assert drift_indexer.topology.resolved_witness_signal is WitnessSignal.KEY_DRIFT
         assert drift_indexer.reads_drift
         reads.clear()
         with mock.patch.object(BlockDriftTracker, "drift_scores", counted), \

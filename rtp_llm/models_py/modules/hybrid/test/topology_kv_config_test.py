@@ -34,7 +34,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     CoordinateMismatchAction,
     IndexerPath,
     IndexerTopologySettings,
-    ServingWitnessSignal,
+    WitnessSignal,
     TopologyKVPolicyMode,
 )
 
@@ -195,18 +195,18 @@ def test_a_forced_backend_the_layer_device_cannot_run_fails_at_construction():
 def test_env_witness_signal_defaults_to_auto_recency_only_for_topology_only():
     """Issue 14: auto serves topology_only with recency (it then selects plain locality) and
     the merge modes with key drift; an explicit value applies to every mode."""
-    assert IndexerTopologySettings().witness_signal is ServingWitnessSignal.AUTO
+    assert IndexerTopologySettings().witness_signal is WitnessSignal.AUTO
     for mode, want in [("topology_only", "recency"), ("topology_sparse_merge", "key_drift"),
                        ("topology_compress_sparse", "key_drift"), ("disabled", "key_drift")]:
         s = IndexerTopologySettings.from_env({ENV_POLICY: mode})
-        assert s.witness_signal is ServingWitnessSignal.AUTO
-        assert s.resolved_witness_signal is ServingWitnessSignal(want), mode
+        assert s.witness_signal is WitnessSignal.AUTO
+        assert s.resolved_witness_signal is WitnessSignal(want), mode
     for raw, want in [(" Recency ", "recency"), ("KEY_DRIFT", "key_drift"), ("auto", "auto"), ("  ", "auto")]:
         for mode in ("topology_only", "topology_sparse_merge"):
             s = IndexerTopologySettings.from_env({ENV_POLICY: mode, ENV_WITNESS_SIGNAL: raw})
-            assert s.witness_signal is ServingWitnessSignal(want), (raw, mode)
+            assert s.witness_signal is WitnessSignal(want), (raw, mode)
             if want != "auto":
-                assert s.resolved_witness_signal is ServingWitnessSignal(want), (raw, mode)
+                assert s.resolved_witness_signal is WitnessSignal(want), (raw, mode)
 
 
 def test_env_bad_witness_signal_lists_the_valid_values():

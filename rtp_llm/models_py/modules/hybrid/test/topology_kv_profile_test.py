@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from rtp_llm.models_py.modules.hybrid import indexer as indexer_module
+from rtp_llm.models_py.modules.hybrid.topology_kv import layer as layer_module
 from rtp_llm.models_py.modules.hybrid.topology_kv import profile as profile_module
 from rtp_llm.models_py.modules.hybrid.indexer import Indexer
 from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerKeyCache
@@ -33,7 +34,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     ENV_POLICY,
     ENV_WITNESS_SIGNAL,
     IndexerTopologySettings,
-    ServingWitnessSignal,
+    WitnessSignal,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
 )
@@ -283,7 +284,7 @@ def _only_profile_dict():
 
 def test_a_topology_only_profile_gives_each_layer_its_sink_count():
     profile = parse_topology_profile(_only_profile_dict(), model_fingerprint=FINGERPRINT)
-    assert profile.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY and profile.witness_signal is ServingWitnessSignal.RECENCY
+    assert profile.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY and profile.witness_signal is WitnessSignal.RECENCY
     layers = _layers(profile)  # budget 1/4
     assert [layers[i].topology.policy.sink_tokens for i in (0, 1, 3)] == [0, 16, 4]
     assert all(layers[i].topology.policy.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY for i in (0, 1, 3))
@@ -316,7 +317,7 @@ def test_the_served_witness_signal_must_be_the_calibrated_one():
     merge = _profile_dict()
     merge["settings"]["witness_signal"] = "default"  # the harness's name: serving's auto, key drift for merge
     merge = parse_topology_profile(merge, model_fingerprint=FINGERPRINT)
-    assert merge.witness_signal is ServingWitnessSignal.KEY_DRIFT
+    assert merge.witness_signal is WitnessSignal.KEY_DRIFT
     Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, topology_profile=merge, topology=IndexerTopologySettings())
     with pytest.raises(ValueError, match="calibrated with 'key_drift' witnesses"):
         Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, topology_profile=merge,
@@ -329,7 +330,7 @@ def test_a_layer_keeps_the_served_witness_signal(tmp_path, monkeypatch):
     profile = parse_topology_profile(_profile_dict(), model_fingerprint=FINGERPRINT)  # records no signal
     layer = Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, topology_profile=profile,
                     topology=IndexerTopologySettings(witness_signal="recency"))
-    assert layer.topology.witness_signal is ServingWitnessSignal.RECENCY and not layer.reads_drift
+    assert layer.topology.witness_signal is WitnessSignal.RECENCY and not layer.reads_drift
     monkeypatch.setenv(ENV_WITNESS_SIGNAL, "recency")
     monkeypatch.setenv(ENV_PROFILE, str(_write(tmp_path, _profile_dict())))
     assert not Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, model_fingerprint=FINGERPRINT).reads_drift
@@ -361,7 +362,7 @@ def test_a_layer_call_does_no_profile_or_host_work(tmp_path):
     with mock.patch.object(profile_module.TopologyKVProfile, "pick_budget", **fail), \
             mock.patch.object(profile_module.TopologyKVProfile, "layer_config", **fail), \
             mock.patch.object(profile_module.TopologyKVProfile, "setting", **fail), \
-            mock.patch.object(indexer_module, "layer_topology_settings", **fail), \
+            mock.patch.object(layer_module, "layer_topology_settings", **fail), \
             mock.patch.object(indexer_module, "profile_from_env", **fail), \
             mock.patch.object(profile_module, "load_topology_profile", **fail), \
             mock.patch.object(profile_module.json, "loads", **fail), \

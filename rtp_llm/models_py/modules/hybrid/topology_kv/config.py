@@ -131,37 +131,65 @@ class TopologyKVBackend(enum.Enum):
         return parse_enum_member(cls, value, "backend")
 
 
-class ServingWitnessSignal(enum.Enum):
-    """What the serving ``Indexer`` passes the policy as witness scores.
+class WitnessSignal(enum.Enum):
+    """What ranks the witness blocks: the one vocabulary of serving, the harness and profiles.
 
-    The policy itself ranks witness blocks by whatever scores it is given, and by recency
-    (the most recent eligible blocks) when given none; this setting only decides what the
-    ``Indexer`` gives it. The query-aware signals of ``topology_kv_witness`` are not served.
+    The policy ranks witness blocks by whatever scores it is given, and by recency (the
+    most recent eligible blocks) when given none; the signal decides what is given.
+    Serving computes :attr:`served` signals only; the query-aware ones need the row's query
+    at block granularity, which only the quality harness computes
+    (``benchmark/candidates/witness.py``).
+
+    AUTO           recency for ``topology_only``, key drift for the merge modes (:meth:`resolve`);
+                   also spelled ``default``
+    KEY_DRIFT      ``||c_k[b] - c_k[b-1]||`` of key centroids (the ``BlockDriftTracker``)
+    RECENCY        no scores: witnesses are the most recent eligible blocks
+    VALUE_DRIFT    the same drift on value centroids (harness only)
+    QUERY_CENTROID ``sum_h relu(q_h . c_k[b, g(h)])``: DSA's indexer form at block granularity
+                   (harness only)
+    QUERY_MASS     the row's query against block key centroids, softmax-normalised per head
+                   and summed over heads: the estimated attention mass (harness only)
+    QUERY_BOUND    as QUERY_MASS with ``sum_d max(q_d kmin_d, q_d kmax_d)``, an upper bound on
+                   ``q . k`` over the block as in Quest (harness only)
     """
 
-    AUTO = "auto"  # recency for topology_only, key_drift for the merge modes (see resolve)
-    KEY_DRIFT = "key_drift"  # the caller's BlockDriftTracker (live key-centroid drift)
-    RECENCY = "recency"  # no scores: witnesses are the most recent eligible blocks
+    AUTO = "auto"
+    KEY_DRIFT = "key_drift"
+    RECENCY = "recency"
+    VALUE_DRIFT = "value_drift"
+    QUERY_CENTROID = "query_centroid"
+    QUERY_MASS = "query_mass"
+    QUERY_BOUND = "query_bound"
 
     @classmethod
-    def parse(cls, value: Union[str, "ServingWitnessSignal"]) -> "ServingWitnessSignal":
-        return parse_enum_member(cls, value, "witness_signal")
+    def parse(cls, value: Union[str, "WitnessSignal"], setting: str = "witness_signal") -> "WitnessSignal":
+        if isinstance(value, str) and value.strip().lower() == "default":
+            return cls.AUTO
+        return parse_enum_member(cls, value, setting)
 
-    def resolve(self, mode: "TopologyKVPolicyMode") -> "ServingWitnessSignal":
-        """``KEY_DRIFT`` or ``RECENCY``: ``AUTO`` resolved for ``mode``.
+    @property
+    def served(self) -> bool:
+        """Whether the serving ``Indexer`` computes this signal."""
+        return self in (WitnessSignal.AUTO, WitnessSignal.KEY_DRIFT, WitnessSignal.RECENCY)
+
+    def resolve(self, mode: "TopologyKVPolicyMode") -> "WitnessSignal":
+        """This signal with ``AUTO`` resolved for ``mode`` (any other signal is itself).
 
         ``topology_only`` gets recency: with key-drift witnesses at 64-token blocks it lost
         to plain locality (sinks + most recent tokens) at every budget (W = L/16..L/4):
         +4.3..+30.9% perplexity at ctx 1024, beating it in only 4-5 of 30 layers by
-        attention recall, and +3.7..+11.0% at ctx 2048 (docs/topology_vs_learned_runs.md,
-        sections 3 and 7); with recency it selects exactly locality. The merge modes keep
-        key drift: their witnesses only add to the indexer's rows.
+        attention recall, and +3.7..+11.0% at ctx 2048 (docs/results.md); with recency it
+        selects exactly locality. The merge modes keep key drift: their witnesses only add
+        to the indexer's rows.
         """
-        if self is not ServingWitnessSignal.AUTO:
+        if self is not WitnessSignal.AUTO:
             return self
         if TopologyKVPolicyMode.parse(mode) is TopologyKVPolicyMode.TOPOLOGY_ONLY:
-            return ServingWitnessSignal.RECENCY
-        return ServingWitnessSignal.KEY_DRIFT
+            return WitnessSignal.RECENCY
+        return WitnessSignal.KEY_DRIFT
+
+
+SERVED_WITNESS_SIGNALS = tuple(s for s in WitnessSignal if s.served)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,15 +348,20 @@ def _env_fraction(environ: Mapping[str, str], name: str, default: float) -> floa
     return value
 
 
-def _env_enum(environ: Mapping[str, str], name: str, cls, default):
+def _env_enum(environ: Mapping[str, str], name: str, cls, default, members=None):
+    """``cls.parse`` of the variable, restricted to ``members`` (default: every member)."""
     raw = _env_value(environ, name)
     if raw is None:
         return default
+    members = tuple(cls) if members is None else members
+    valid = ", ".join(m.value for m in members)
     try:
-        return cls.parse(raw)
+        value = cls.parse(raw)
     except ValueError:
-        valid = ", ".join(m.value for m in cls)
-        raise ValueError(f"{name}={raw!r}: expected one of [{valid}] (case-insensitive), got {raw!r}") from None
+        value = None
+    if value not in members:
+        raise ValueError(f"{name}={raw!r}: expected one of [{valid}] (case-insensitive), got {raw!r}")
+    return value
 
 
 def _env_paths(environ: Mapping[str, str], name: str) -> FrozenSet[IndexerPath]:
@@ -363,7 +396,7 @@ class IndexerTopologySettings:
         the drift block (the KV page, 64 tokens).
     paths : frozenset of IndexerPath
         Paths the policy runs on when enabled; the others return the op's rows unchanged.
-    witness_signal : ServingWitnessSignal or its name
+    witness_signal : WitnessSignal (a served one) or its name
         What the ``Indexer`` passes as witness scores: ``auto`` (default; recency for
         ``topology_only``, key drift for the merge modes), ``key_drift`` (the caller's
         ``BlockDriftTracker``) or ``recency`` (no scores, no tracker needed).
@@ -371,12 +404,22 @@ class IndexerTopologySettings:
 
     policy: TopologyKVPolicyConfig = dataclasses.field(default_factory=TopologyKVPolicyConfig)
     paths: FrozenSet[IndexerPath] = ALL_PATHS
-    witness_signal: ServingWitnessSignal = ServingWitnessSignal.AUTO
+    witness_signal: WitnessSignal = WitnessSignal.AUTO
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, TopologyKVPolicyConfig):
             raise TypeError(f"policy: expected TopologyKVPolicyConfig, got {type(self.policy).__name__}")
-        object.__setattr__(self, "witness_signal", ServingWitnessSignal.parse(self.witness_signal))
+        try:
+            signal = WitnessSignal.parse(self.witness_signal)
+        except ValueError:
+            signal = None
+        if signal is None or not signal.served:
+            valid = ", ".join(s.value for s in SERVED_WITNESS_SIGNALS)
+            raise ValueError(
+                f"witness_signal: expected one of [{valid}] (case-insensitive; what serving computes), "
+                f"got {self.witness_signal!r}"
+            )
+        object.__setattr__(self, "witness_signal", signal)
         paths = frozenset(self.paths)
         for p in paths:
             if not isinstance(p, IndexerPath):
@@ -391,7 +434,7 @@ class IndexerTopologySettings:
         return self.enabled and path in self.paths
 
     @property
-    def resolved_witness_signal(self) -> ServingWitnessSignal:
+    def resolved_witness_signal(self) -> WitnessSignal:
         """``KEY_DRIFT`` or ``RECENCY``: :attr:`witness_signal` with ``auto`` resolved for the mode."""
         return self.witness_signal.resolve(self.policy.policy)
 
@@ -420,7 +463,7 @@ class IndexerTopologySettings:
             )
         budget = _env_enum(environ, ENV_STRUCTURAL_BUDGET, StructuralBudget, defaults.structural_budget)
         backend = _env_enum(environ, ENV_BACKEND, TopologyKVBackend, defaults.backend)
-        witness_signal = _env_enum(environ, ENV_WITNESS_SIGNAL, ServingWitnessSignal, ServingWitnessSignal.AUTO)
+        witness_signal = _env_enum(environ, ENV_WITNESS_SIGNAL, WitnessSignal, WitnessSignal.AUTO, SERVED_WITNESS_SIGNALS)
         try:
             policy = TopologyKVPolicyConfig(
                 policy=mode,

@@ -27,13 +27,13 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import (  # noqa: F401 (re-exported)
     CoordinateMismatchAction,
-    StructuralBudget,
     TopologyKVBackend,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
 )
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import (  # noqa: F401 (re-exported)
     resolve_backend,
     run_policy_core,
@@ -312,31 +312,12 @@ def apply_topology_kv_policy(
     scaffold = plan.scaffold_lengths
     if scaffold is not None and tuple(scaffold.shape) != (topk_indices.shape[0],):
         raise ValueError(f"plan.scaffold_lengths: expected shape ({topk_indices.shape[0]},), got {tuple(scaffold.shape)}")
-
-    drift = block_drift_scores
-    if drift is not None and row_to_request is not None:
-        drift = drift.index_select(0, row_to_request.to(torch.int64))  # [R, N]
     resolved = resolve_backend(config.backend if backend is None else backend, topk_indices.device)
     if validate:
         _validate_buffers(topk_indices, out, counters_out)
-    rows, counters, lazy = run_policy_core(
-        resolved,
-        topk_indices,
-        lengths,
-        topk_indices_offset,
-        drift,
-        learned_scores,
-        scaffold,
-        mode=config.policy,
-        out=out,
-        counters_out=counters_out,
-        sink_blocks=config.sink_blocks,
-        local_blocks=config.local_blocks,
-        witness_blocks=config.witness_blocks,
-        block_size=config.block_size,
-        structural_cap=config.structural_cap(W),
-        sink_tokens=config.sink_tokens,
-        scale_budget_by_length=config.structural_budget is StructuralBudget.SCALED,
+    rows, counters, lazy = run_layout(
+        resolved, PolicyLayout.from_config(config), topk_indices, lengths, topk_indices_offset, block_drift_scores,
+        row_to_request, learned_scores, scaffold, out=out, counters_out=counters_out,
     )
     elapsed = None
     if measure_time:
@@ -347,6 +328,35 @@ def apply_topology_kv_policy(
         counters=TopologyKVCounters(tensors=counters, compression_hits=plan.compression_hits, lazy=lazy),
         fingerprints=plan.fingerprints,
         schedule_ms=elapsed,
+    )
+
+
+def run_layout(
+    backend: TopologyKVBackend,
+    layout: PolicyLayout,
+    topk_indices: torch.Tensor,
+    lengths: torch.Tensor,
+    offsets: Optional[torch.Tensor],
+    block_drift_scores: Optional[torch.Tensor],
+    row_to_request: Optional[torch.Tensor],
+    learned_scores: Optional[torch.Tensor],
+    scaffold_lengths: Optional[torch.Tensor],
+    *,
+    out: Optional[torch.Tensor] = None,
+    counters_out: Optional[torch.Tensor] = None,
+):
+    """The policy on already-checked inputs: a resolved backend and a layout, tensors only.
+
+    What :func:`apply_topology_kv_policy` runs after its checks, and what a
+    :class:`~rtp_llm.models_py.modules.hybrid.topology_kv.layer.TopologyKVLayerPolicy`
+    runs per call. Returns :func:`run_policy_core`'s ``(rows, counters, lazy)``.
+    """
+    drift = block_drift_scores
+    if drift is not None and row_to_request is not None:
+        drift = drift.index_select(0, row_to_request.to(torch.int64))  # [B, N] -> [R, N]
+    return run_policy_core(
+        backend, topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths,
+        layout=layout, out=out, counters_out=counters_out,
     )
 
 

@@ -32,7 +32,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     ENV_WITNESS_SIGNAL,
     IndexerTopologySettings,
-    ServingWitnessSignal,
+    SERVED_WITNESS_SIGNALS,
+    WitnessSignal,
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
 )
@@ -150,7 +151,7 @@ class TopologyKVProfile:
     budgets: Tuple[Fraction, ...]
     command: str
     layers: Mapping[int, Mapping[Fraction, LayerBudgetSetting]]
-    witness_signal: Optional[ServingWitnessSignal] = None
+    witness_signal: Optional[WitnessSignal] = None
 
     @property
     def reference_context(self) -> int:
@@ -276,7 +277,7 @@ def _parse_setting(where: str, raw: Any, policy: TopologyKVPolicyMode, block_siz
 
 def _parse_witness_signal(
     where: str, settings: Mapping[str, Any], policy: TopologyKVPolicyMode
-) -> Optional[ServingWitnessSignal]:
+) -> Optional[WitnessSignal]:
     """``settings.witness_signal`` resolved for ``policy``; absent = None (not checked).
 
     ``default`` (the harness's name) and ``auto`` resolve as serving's ``auto`` does; a signal
@@ -285,16 +286,16 @@ def _parse_witness_signal(
     if "witness_signal" not in settings:
         return None
     raw = settings["witness_signal"]
-    name = raw.strip().lower() if isinstance(raw, str) else raw
-    if name == "default":
-        name = ServingWitnessSignal.AUTO.value
     try:
-        return ServingWitnessSignal.parse(name).resolve(policy)
+        signal = WitnessSignal.parse(raw)
     except (TypeError, ValueError):
-        valid = ", ".join(s.value for s in ServingWitnessSignal)
+        signal = None
+    if signal is None or not signal.served:
+        valid = ", ".join(s.value for s in SERVED_WITNESS_SIGNALS)
         raise ValueError(
             f"{where}.witness_signal: expected a signal serving computes ({valid}, or default), got {raw!r}"
-        ) from None
+        )
+    return signal.resolve(policy)
 
 
 def parse_topology_profile(

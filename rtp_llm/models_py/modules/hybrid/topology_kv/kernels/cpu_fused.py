@@ -42,11 +42,13 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from rtp_llm.models_py.modules.hybrid.topology_kv.config import TopologyKVPolicyMode
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.torch_core import COUNTER_NAMES
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import (  # noqa: F401 (COUNTER_NAMES: the order)
+    COUNTER_NAMES,
+    PolicyLayout,
+    check_kernel_buffers,
+)
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_fused.cpp")
-_INDEX_DTYPES = (torch.int32, torch.int64)
 _GRAIN_ENTRIES = 32768  # at least this many row entries per thread
 # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into the
 # extension (without it, rows run serially); libgomp.so.1 resolves to the one torch loaded,
@@ -112,13 +114,6 @@ def build_error() -> Optional[str]:
     return None if _error is None else repr(_error)
 
 
-def _vec(name: str, t, R: int) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"{name}: expected an int32/int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-    if tuple(t.shape) != (R,) or t.device.type != "cpu":
-        raise ValueError(f"{name}: expected shape ({R},) on cpu, got {tuple(t.shape)} on {t.device}")
-
-
 def topology_kv_policy_cpu(
     topk_indices: torch.Tensor,
     lengths: torch.Tensor,
@@ -127,14 +122,7 @@ def topology_kv_policy_cpu(
     learned_scores: Optional[torch.Tensor],
     scaffold_lengths: Optional[torch.Tensor],
     *,
-    mode: Union[TopologyKVPolicyMode, str],
-    sink_blocks: int,
-    local_blocks: int,
-    witness_blocks: int,
-    block_size: int,
-    structural_cap: int,
-    sink_tokens: Optional[int] = None,
-    scale_budget_by_length: bool = False,
+    layout: PolicyLayout,
     out: Optional[torch.Tensor] = None,
     counters: Optional[torch.Tensor] = None,
     mismatch_rows: Optional[torch.Tensor] = None,
@@ -150,8 +138,7 @@ def topology_kv_policy_cpu(
     learned_scores : float ``[R, W]`` aligned with ``topk_indices``, or None (merge modes
         evict the row's last entries); ignored by ``TOPOLOGY_ONLY``
     scaffold_lengths : int32/int64 ``[R]`` (compress mode), or None (no compression)
-    mode, sink_blocks, local_blocks, witness_blocks, block_size, structural_cap,
-    sink_tokens, scale_budget_by_length : as in :func:`topology_kv_policy_core`
+    layout : :class:`PolicyLayout`, as in :func:`topology_kv_policy_core`
     out : like ``topk_indices``, or None (allocated). Fully overwritten.
     counters : int64 ``[len(COUNTER_NAMES)]``, or None (zeros allocated). The call *adds*
         its counts in :data:`COUNTER_NAMES` order; for ``TOPOLOGY_ONLY`` including the
@@ -162,63 +149,22 @@ def topology_kv_policy_cpu(
     -------
     ``(out, counters)``: int ``[R, W]`` (``topk_indices``' dtype) and the int64 counters.
     """
-    mode = TopologyKVPolicyMode.parse(mode)
-    if mode is TopologyKVPolicyMode.DISABLED:
-        raise ValueError("mode: expected an enabled TopologyKVPolicyMode, got disabled")
-    x = topk_indices
-    if not isinstance(x, torch.Tensor) or x.dtype not in _INDEX_DTYPES or x.dim() != 2:
-        raise TypeError("topk_indices: expected an int32/int64 tensor [R, W]")
-    if x.device.type != "cpu":
-        raise ValueError(f"topk_indices: expected a CPU tensor, got {x.device}")
-    bs = int(block_size)
-    if bs < 1:
-        raise ValueError(f"block_size: expected >= 1, got {block_size}")
-    for name, v in (("sink_blocks", sink_blocks), ("local_blocks", local_blocks), ("witness_blocks", witness_blocks)):
-        if int(v) < 0:
-            raise ValueError(f"{name}: expected >= 0, got {v}")
-    if sink_tokens is not None and int(sink_tokens) < 0:
-        raise ValueError(f"sink_tokens: expected >= 0 or None, got {sink_tokens}")
-    R, W = x.shape
-    _vec("lengths", lengths, R)
-    if offsets is not None:
-        _vec("offsets", offsets, R)
-    only = mode is TopologyKVPolicyMode.TOPOLOGY_ONLY
-    compress = mode is TopologyKVPolicyMode.TOPOLOGY_COMPRESS_SPARSE and scaffold_lengths is not None
-    if compress:
-        _vec("scaffold_lengths", scaffold_lengths, R)
-    if drift is not None:
-        if (not isinstance(drift, torch.Tensor) or not drift.is_floating_point() or drift.dim() != 2
-                or drift.shape[0] != R or drift.device.type != "cpu"):
-            raise ValueError(f"drift: expected a float tensor [{R}, N] on cpu")
-        drift = drift.to(torch.float32)  # as the core (schedule.witness_blocks_unchecked)
-    scores = None if only else learned_scores
-    if scores is not None:
-        if (not isinstance(scores, torch.Tensor) or not scores.is_floating_point()
-                or tuple(scores.shape) != (R, W) or scores.device.type != "cpu"):
-            raise ValueError(f"learned_scores: expected a float tensor [{R}, {W}] on cpu")
-        scores = scores.to(torch.float32)  # as the core (score_sort_keys)
-    if out is None:
-        out = torch.empty((R, W), dtype=x.dtype)
-    elif (not isinstance(out, torch.Tensor) or out.dtype != x.dtype or tuple(out.shape) != (R, W)
-          or out.device.type != "cpu"):
-        raise ValueError(f"out: expected {x.dtype} [{R}, {W}] on cpu")
-    if counters is None:
-        counters = torch.zeros(len(COUNTER_NAMES), dtype=torch.int64)
-    elif (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int64
-          or tuple(counters.shape) != (len(COUNTER_NAMES),) or counters.device.type != "cpu"):
-        raise ValueError(f"counters: expected int64 [{len(COUNTER_NAMES)}] on cpu")
-    if mismatch_rows is not None and (
-        not isinstance(mismatch_rows, torch.Tensor) or mismatch_rows.dtype != torch.bool
-        or tuple(mismatch_rows.shape) != (R,) or mismatch_rows.device.type != "cpu"
-    ):
-        raise ValueError(f"mismatch_rows: expected bool [{R}] on cpu")
+    if isinstance(topk_indices, torch.Tensor) and topk_indices.device.type != "cpu":
+        raise ValueError(f"topk_indices: expected a CPU tensor, got {topk_indices.device}")
+    out, counters = check_kernel_buffers(
+        layout, topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, out, counters, mismatch_rows
+    )
+    R, W = topk_indices.shape
     if R == 0:
         return out, counters
-    n_wit = (W + bs - 1) // bs + 1 if only else int(witness_blocks)
+    only = layout.only
+    compress = layout.compress_mode and scaffold_lengths is not None
+    drift = None if drift is None else drift.to(torch.float32)  # as the core (schedule.witness_blocks_unchecked)
+    scores = None if only or learned_scores is None else learned_scores.to(torch.float32)  # as score_sort_keys
     _load().run(
-        x, out, lengths, offsets, drift, scores, scaffold_lengths if compress else None, counters, mismatch_rows,
-        only, compress, int(sink_blocks), int(local_blocks), n_wit, bs, int(structural_cap),
-        -1 if sink_tokens is None else int(sink_tokens), bool(scale_budget_by_length) and not only,
-        max(1, _GRAIN_ENTRIES // max(W, 1)),
+        topk_indices, out, lengths, offsets, drift, scores, scaffold_lengths if compress else None, counters,
+        mismatch_rows, only, compress, layout.sink_blocks, layout.local_blocks, layout.witness_count(W),
+        layout.block_size, layout.structural_cap(W), -1 if layout.sink_tokens is None else layout.sink_tokens,
+        layout.scale_budget_by_length, max(1, _GRAIN_ENTRIES // max(W, 1)),
     )
     return out, counters

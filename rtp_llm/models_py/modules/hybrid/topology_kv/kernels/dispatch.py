@@ -34,8 +34,9 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_fused as topology_kv_policy_cpu
-from rtp_llm.models_py.modules.hybrid.topology_kv.config import TopologyKVBackend, TopologyKVPolicyMode
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.torch_core import COUNTER_NAMES, topology_kv_policy_core
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import TopologyKVBackend
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import COUNTER_NAMES, PolicyLayout
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.torch_core import topology_kv_policy_core
 
 
 def _triton_module():
@@ -114,7 +115,7 @@ def compiled_core() -> Callable:
     """``torch.compile(topology_kv_policy_core, fullgraph=True, dynamic=True)``, made once.
 
     ``dynamic=True`` marks the row count (and width) dynamic, so a new number of rows per
-    step reuses the compiled graph; a new mode or block layout (constants of the call)
+    step reuses the compiled graph; a new :class:`PolicyLayout` (constants of the call)
     compiles once more. The first call per configuration compiles (tens of seconds on CPU).
     """
     return torch.compile(topology_kv_policy_core, fullgraph=True, dynamic=True)
@@ -129,15 +130,11 @@ def run_policy_core(
     learned_scores: Optional[torch.Tensor],
     scaffold_lengths: Optional[torch.Tensor],
     *,
-    mode: TopologyKVPolicyMode,
+    layout: PolicyLayout,
     out: Optional[torch.Tensor] = None,
     counters_out: Optional[torch.Tensor] = None,
-    **params,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Optional[Callable[[], Dict[str, torch.Tensor]]]]:
-    """Run the core on a resolved ``backend`` (see :func:`resolve_backend`).
-
-    ``params``: ``sink_blocks, local_blocks, witness_blocks, block_size, structural_cap,
-    sink_tokens, scale_budget_by_length`` as in :func:`topology_kv_policy_core`.
+    """Run the core on a resolved ``backend`` (see :func:`resolve_backend`) with ``layout``.
 
     Returns ``(indices, counters, lazy)``: the rows (``out`` when given); counters as 0-dim
     int64 tensors keyed by :data:`COUNTER_NAMES`, those known now; ``lazy`` (or None)
@@ -153,17 +150,17 @@ def run_policy_core(
         )
         rows, buffer = kernel(
             topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths,
-            mode=mode, out=out, counters=counters_out, **params,
+            layout=layout, out=out, counters=counters_out,
         )
         # The per-name views cost ~1 us each on CPU: made only when a counter is read.
         return rows, {}, lambda: buffer_counters(buffer)
     core = compiled_core() if backend is TopologyKVBackend.COMPILED else topology_kv_policy_core
-    rows, counters = core(topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, mode=mode, **params)
+    rows, counters = core(topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, layout=layout)
     mismatch_rows = counters.pop("mismatch_rows")
     if out is not None:
         out.copy_(rows)
         rows = out
-    only = mode is TopologyKVPolicyMode.TOPOLOGY_ONLY
+    only = layout.only
     if counters_out is None:
         if not only:
             return rows, counters, None

@@ -29,7 +29,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from rtp_llm.models_py.modules.hybrid.topology_kv.config import TopologyKVPolicyMode
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import COUNTER_NAMES, PolicyLayout
 from rtp_llm.models_py.modules.hybrid.topology_kv.row_contract import violations_of_rows
 from rtp_llm.models_py.modules.hybrid.topology_kv.schedule import (
     expand_blocks_unchecked,
@@ -37,16 +37,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.schedule import (
     witness_blocks_unchecked,
 )
 
-COUNTER_NAMES = (
-    "selected_tokens",  # valid output entries (rows the policy processed)
-    "structural_injected_tokens",  # output tokens that were not in the learned row
-    "learned_kept_tokens",  # learned tokens present in the output
-    "learned_evicted_tokens",  # learned tokens absent from the output
-    "unselected_tokens",  # causal tokens (sum of lengths) not selected
-    "coordinate_mismatch_fallbacks",  # rows returned unchanged for a contract violation
-    "compressed_blocks",  # compress mode: scaffold blocks represented by one token
-    "compression_saved_tokens",  # compress mode: tokens those blocks did not spend
-)
+__all__ = ["COUNTER_NAMES", "topology_kv_policy_core"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -136,22 +127,19 @@ def _structural_slots(
     scaffold_lengths: Optional[torch.Tensor],
     *,
     compress: bool,
-    sink_blocks: int,
-    local_blocks: int,
+    layout: PolicyLayout,
     n_wit: int,
-    bs: int,
-    sink_tokens: Optional[int],
 ) -> _Slots:
-    """Schedule the blocks of every row and expand them to slot tokens (layout order)."""
+    """Schedule the blocks of every row and expand them to slot tokens (layout order).
+
+    Token sinks are the first ``sink_tokens`` tokens: blocks they cover wholly are neither
+    local nor witness, and a block they cover in part contributes only its other tokens.
+    Block sinks are whole blocks ``0 .. sink_blocks - 1``.
+    """
     device = lengths64.device
     R = lengths64.shape[0]
-    token_sinks = sink_tokens is not None
-    # Token sinks: the first sink_tokens tokens; blocks they cover wholly are neither
-    # local nor witness, and a block they cover in part contributes only its other tokens.
-    # Block sinks (seed behaviour): whole blocks 0 .. sink_blocks - 1.
-    sink_blk = sink_tokens // bs if token_sinks else sink_blocks
-    partial_sink = token_sinks and sink_tokens % bs != 0
-    S_sink = sink_tokens if token_sinks else sink_blocks * bs  # sink slots
+    bs, local_blocks = layout.block_size, layout.local_blocks
+    sink_blk, S_sink = layout.sink_full_blocks, layout.sink_slots
     nb = (lengths64.clamp(min=1) - 1) // bs + 1  # [R] ceil(length / bs) without overflow near 2**63
     sink_end = torch.clamp(nb, max=sink_blk)
     local_start = torch.maximum(torch.clamp(nb - local_blocks, min=0), sink_end)
@@ -160,24 +148,23 @@ def _structural_slots(
     # Scheduled blocks in layout order: [sinks | locals ascending | witnesses].
     local_cols = local_start.unsqueeze(1) + torch.arange(local_blocks, device=device).unsqueeze(0)
     rest = [torch.where(local_cols < nb.unsqueeze(1), local_cols, -1), wit]
-    if token_sinks:
+    if layout.token_sinks:
         blocks = torch.cat(rest, dim=1)  # [R, l + n_wit]: the sink segment is not block-based
         ar = torch.arange(S_sink, device=device).unsqueeze(0)
         sink_seg = torch.where(ar < lengths64.unsqueeze(1), ar, -1).expand(R, S_sink)
     else:
-        sink_cols = torch.arange(sink_blocks, device=device).unsqueeze(0)
+        sink_cols = torch.arange(layout.sink_blocks, device=device).unsqueeze(0)
         blocks = torch.cat([torch.where(sink_cols < sink_end.unsqueeze(1), sink_cols, -1)] + rest, dim=1)
         sink_seg = None
     slot_tok = expand_blocks_unchecked(blocks, lengths64, bs)  # [R, *] int64 token or -1
-    if partial_sink:
-        slot_tok = torch.where(slot_tok < sink_tokens, -1, slot_tok)  # those are sink slots
+    if layout.partial_sink:
+        slot_tok = torch.where(slot_tok < layout.sink_tokens, -1, slot_tok)  # those are sink slots
     comp_start, comp_end, n_compressed = 0, None, None
     if compress:
         # Scheduled blocks wholly inside min(scaffold, length) keep their first token only.
         span = torch.minimum(scaffold_lengths.to(torch.int64), lengths64)
         comp_end = torch.div(span, bs, rounding_mode="floor") * bs  # [R] tokens of whole blocks
-        # Token sinks are never compressed, nor is a block holding some of them.
-        comp_start = -(-sink_tokens // bs) * bs if token_sinks else 0
+        comp_start = layout.compress_start  # token sinks, and blocks holding some, stay whole
         compressed = (blocks * bs >= comp_start) & ((blocks + 1) * bs <= span.unsqueeze(1))  # [R, Kb]
         non_first = (torch.arange(slot_tok.shape[1], device=device) % bs) != 0
         slot_tok = torch.where(compressed.repeat_interleave(bs, dim=1) & non_first, -1, slot_tok)
@@ -196,10 +183,7 @@ def _slot_mapping(
     rel: torch.Tensor,
     lengths64: torch.Tensor,
     slots: _Slots,
-    *,
-    local_blocks: int,
-    bs: int,
-    sink_tokens: Optional[int],
+    layout: PolicyLayout,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Layout slot of every learned entry (``S`` = not structural), and the present bits.
 
@@ -212,9 +196,8 @@ def _slot_mapping(
     idt = rel.dtype
     sign = torch.iinfo(idt).bits - 1  # v >> sign is -1 where v < 0, else 0
     S_sink, S = slots.S_sink, slots.tok.shape[1]
-    token_sinks = sink_tokens is not None
-    partial_sink = token_sinks and sink_tokens % bs != 0
-    sink_span = torch.full_like(slots.sink_end, S_sink) if token_sinks else slots.sink_end * bs
+    bs, local_blocks = layout.block_size, layout.local_blocks
+    sink_span = torch.full_like(slots.sink_end, S_sink) if layout.token_sinks else slots.sink_end * bs
     sink_tok_end = torch.minimum(sink_span, lengths64)
     sink_tok_end = sink_tok_end.to(idt).unsqueeze(1)  # [R, 1]
     in_sink = (rel - sink_tok_end) >> sign  # -1 where rel < sink end
@@ -233,7 +216,7 @@ def _slot_mapping(
         for j in range(n_wit):
             shift_j = S_sink + (local_blocks + j) * bs - wit_i[:, j : j + 1] * bs  # [R, 1]
             hit = bt == wit_i[:, j : j + 1]
-            if partial_sink:
+            if layout.partial_sink:
                 hit = hit & (rel >= sink_tok_end)  # the block's sink tokens stay sinks
             delta = delta + hit * (shift_j - S)
     if slots.comp_end is not None:
@@ -334,15 +317,16 @@ def _fill(out: torch.Tensor, inj: torch.Tensor, n_valid, n_evict, n_inject) -> N
 
 
 def _merge_rows(x, valid, n_valid, mismatch, ok, rel, off, lengths64, slots, perm, tok_p, valid_p, *,
-                learned_scores, local_blocks, bs, sink_tokens, structural_cap, scale_budget_by_length):
+                learned_scores, layout: PolicyLayout):
     """Merge modes: stages 3-6. Returns ``(out, n_learned, n_kept, n_inject)``."""
     R, W = x.shape
     idt, device = x.dtype, x.device
     S = slots.tok.shape[1]
-    slot, present = _slot_mapping(rel, lengths64, slots, local_blocks=local_blocks, bs=bs, sink_tokens=sink_tokens)
+    structural_cap = layout.structural_cap(W)
+    slot, present = _slot_mapping(rel, lengths64, slots, layout)
     present_p = present.index_select(1, perm)
     take_p, inject_p, new_rank = _structural_target(
-        valid_p, present_p, ok, lengths64, W, structural_cap, scale_budget_by_length
+        valid_p, present_p, ok, lengths64, W, structural_cap, layout.scale_budget_by_length
     )
     n_inject = inject_p.sum(dim=1)
     # Which layout slots are protected: the taken ones, back in layout order (+ slot S: none).
@@ -419,14 +403,7 @@ def topology_kv_policy_core(
     learned_scores: Optional[torch.Tensor],
     scaffold_lengths: Optional[torch.Tensor],
     *,
-    mode: TopologyKVPolicyMode,
-    sink_blocks: int,
-    local_blocks: int,
-    witness_blocks: int,
-    block_size: int,
-    structural_cap: int,
-    sink_tokens: Optional[int] = None,
-    scale_budget_by_length: bool = False,
+    layout: PolicyLayout,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Vectorized policy over all rows; pure tensor ops with static shapes, no host sync.
 
@@ -440,7 +417,8 @@ def topology_kv_policy_core(
         rows longer than ``N`` blocks are broken
     learned_scores : float ``[R, W]`` aligned with ``topk_indices``, or None
     scaffold_lengths : int ``[R]`` scaffold span per row (compress mode), or None
-    mode : an enabled :class:`TopologyKVPolicyMode`
+    layout : :class:`PolicyLayout`: the mode, block counts and derived constants; the
+        structural cap is ``layout.structural_cap(W)``
 
     Returns
     -------
@@ -493,7 +471,7 @@ def topology_kv_policy_core(
     """
     device = topk_indices.device
     W = topk_indices.shape[1]
-    bs = block_size
+    bs = layout.block_size
     idt = topk_indices.dtype  # [R, W] work stays in the input dtype: int32 halves traffic
     x = topk_indices
     lengths64 = lengths.to(torch.int64)
@@ -510,14 +488,13 @@ def topology_kv_policy_core(
     rel = (x if off is None else x - off) | (x >> sign)  # request-local position; padding -> -1
 
     # 2. Structural slots, and their priority order.
-    only = mode is TopologyKVPolicyMode.TOPOLOGY_ONLY
-    compress = mode is TopologyKVPolicyMode.TOPOLOGY_COMPRESS_SPARSE and scaffold_lengths is not None
+    only = layout.only
+    compress = layout.compress_mode and scaffold_lengths is not None
     slots = _structural_slots(
-        lengths64, drift, scaffold_lengths, compress=compress, sink_blocks=sink_blocks, local_blocks=local_blocks,
-        n_wit=(W + bs - 1) // bs + 1 if only else witness_blocks, bs=bs, sink_tokens=sink_tokens,
+        lengths64, drift, scaffold_lengths, compress=compress, layout=layout, n_wit=layout.witness_count(W)
     )
     n_compressed = slots.n_compressed if slots.n_compressed is not None else torch.zeros_like(n_valid)
-    perm = _priority_permutation(slots.S_sink, local_blocks * bs, slots.wit.shape[1], bs, device)
+    perm = _priority_permutation(slots.S_sink, layout.local_blocks * bs, slots.wit.shape[1], bs, device)
     tok_p = slots.tok.index_select(1, perm)  # [R, S] priority order
     valid_p = tok_p >= 0
 
@@ -528,8 +505,7 @@ def topology_kv_policy_core(
     else:
         out, n_learned, n_kept, n_injected = _merge_rows(
             x, valid, n_valid, mismatch, ok, rel, off, lengths64, slots, perm, tok_p, valid_p,
-            learned_scores=learned_scores, local_blocks=local_blocks, bs=bs, sink_tokens=sink_tokens,
-            structural_cap=structural_cap, scale_budget_by_length=scale_budget_by_length,
+            learned_scores=learned_scores, layout=layout,
         )
         n_selected = n_kept + n_injected
 

@@ -74,8 +74,11 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from rtp_llm.models_py.modules.hybrid.topology_kv.config import TopologyKVPolicyMode
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.torch_core import COUNTER_NAMES
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import (  # noqa: F401 (COUNTER_NAMES: the order)
+    COUNTER_NAMES,
+    PolicyLayout,
+    check_kernel_buffers,
+)
 
 try:  # triton is optional: without it can_use_triton() is False and the torch core is used
     import triton
@@ -324,13 +327,6 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
-def _vec(name: str, t: torch.Tensor, R: int, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name}: expected an int32/int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-    if tuple(t.shape) != (R,) or t.device != device:
-        raise ValueError(f"{name}: expected shape ({R},) on {device}, got {tuple(t.shape)} on {t.device}")
-
-
 def topology_kv_policy_triton(
     topk_indices: torch.Tensor,
     lengths: torch.Tensor,
@@ -339,14 +335,7 @@ def topology_kv_policy_triton(
     learned_scores: Optional[torch.Tensor],
     scaffold_lengths: Optional[torch.Tensor],
     *,
-    mode: Union[TopologyKVPolicyMode, str],
-    sink_blocks: int,
-    local_blocks: int,
-    witness_blocks: int,
-    block_size: int,
-    structural_cap: int,
-    sink_tokens: Optional[int] = None,
-    scale_budget_by_length: bool = False,
+    layout: PolicyLayout,
     out: Optional[torch.Tensor] = None,
     counters: Optional[torch.Tensor] = None,
     mismatch_rows: Optional[torch.Tensor] = None,
@@ -355,10 +344,9 @@ def topology_kv_policy_triton(
 
     Parameters
     ----------
-    topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, mode,
-    sink_blocks, local_blocks, witness_blocks, block_size, structural_cap, sink_tokens,
-    scale_budget_by_length : as in :func:`topology_kv_policy_core` (``drift`` float
-        ``[R, N]``, ``learned_scores`` float ``[R, W]``, the others int ``[R]``)
+    topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, layout : as in
+        :func:`topology_kv_policy_core` (``drift`` float ``[R, N]``, ``learned_scores`` float
+        ``[R, W]``, the others int ``[R]``)
     out : int ``[R, W]`` like ``topk_indices``, or None (allocated). Fully overwritten.
     counters : int64 ``[len(COUNTER_NAMES)]``, or None (zeros allocated). The call *adds*
         its counts (atomically), in :data:`COUNTER_NAMES` order; for ``TOPOLOGY_ONLY``
@@ -371,9 +359,7 @@ def topology_kv_policy_triton(
     given, nothing is allocated: the call can be captured in a CUDA graph.
     """
     out, counters, launch = _launch_spec(
-        topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, mode=mode,
-        sink_blocks=sink_blocks, local_blocks=local_blocks, witness_blocks=witness_blocks, block_size=block_size,
-        structural_cap=structural_cap, sink_tokens=sink_tokens, scale_budget_by_length=scale_budget_by_length,
+        topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, layout=layout,
         out=out, counters=counters, mismatch_rows=mismatch_rows,
     )
     if launch is not None:  # None: no rows
@@ -383,61 +369,31 @@ def topology_kv_policy_triton(
 
 
 def _launch_spec(
-    topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, *, mode, sink_blocks, local_blocks,
-    witness_blocks, block_size, structural_cap, sink_tokens, scale_budget_by_length, out, counters, mismatch_rows,
+    topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, *, layout, out, counters, mismatch_rows,
 ):
-    """Validate (metadata only), allocate missing buffers, and build the kernel's arguments.
+    """Check the tensors (metadata only), allocate missing buffers, build the kernel's arguments.
 
     Returns ``(out, counters, launch)``; ``launch`` is ``(args, constexprs, num_warps)`` for
     ``_topology_kv_policy_kernel`` with grid ``(R,)``, or None when ``R == 0``. Also used
     by the tests to compile the kernel for a GPU target ahead of time (no GPU needed).
     """
-    mode = TopologyKVPolicyMode.parse(mode)
-    if mode is TopologyKVPolicyMode.DISABLED:
-        raise ValueError("mode: expected an enabled TopologyKVPolicyMode, got disabled")
     if triton is None:
         raise RuntimeError("topology_kv_policy_triton: triton is not installed")
+    out, counters = check_kernel_buffers(
+        layout, topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, out, counters, mismatch_rows
+    )
     x = topk_indices
-    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64) or x.dim() != 2:
-        raise TypeError("topk_indices: expected an int32/int64 tensor [R, W]")
     R, W = x.shape
     if W == 0:
         raise ValueError(f"topk_indices: expected W > 0 columns, got shape {tuple(x.shape)}")
-    dev = x.device
-    _vec("lengths", lengths, R, dev)
-    if offsets is not None:
-        _vec("offsets", offsets, R, dev)
-    only = mode is TopologyKVPolicyMode.TOPOLOGY_ONLY
-    compress = mode is TopologyKVPolicyMode.TOPOLOGY_COMPRESS_SPARSE and scaffold_lengths is not None
-    if compress:
-        _vec("scaffold_lengths", scaffold_lengths, R, dev)
-    if drift is not None:
-        if not drift.is_floating_point() or drift.dim() != 2 or drift.shape[0] != R or drift.device != dev:
-            raise ValueError(f"drift: expected a float tensor [{R}, N] on {dev}")
-    if learned_scores is not None and not only:
-        if (not learned_scores.is_floating_point() or tuple(learned_scores.shape) != (R, W)
-                or learned_scores.device != dev):
-            raise ValueError(f"learned_scores: expected a float tensor [{R}, {W}] on {dev}")
-    if out is None:
-        out = torch.empty((R, W), dtype=x.dtype, device=dev)
-    elif out.dtype != x.dtype or tuple(out.shape) != (R, W) or out.device != dev:
-        raise ValueError(f"out: expected {x.dtype} [{R}, {W}] on {dev}")
-    if counters is None:
-        counters = torch.zeros(len(COUNTER_NAMES), dtype=torch.int64, device=dev)
-    elif counters.dtype != torch.int64 or tuple(counters.shape) != (len(COUNTER_NAMES),) or counters.device != dev:
-        raise ValueError(f"counters: expected int64 [{len(COUNTER_NAMES)}] on {dev}")
-    if mismatch_rows is not None and (
-        mismatch_rows.dtype != torch.bool or tuple(mismatch_rows.shape) != (R,) or mismatch_rows.device != dev
-    ):
-        raise ValueError(f"mismatch_rows: expected bool [{R}] on {dev}")
     if R == 0:
         return out, counters, None
 
-    bs = int(block_size)
-    token_sinks = sink_tokens is not None
-    n_wit = (W + bs - 1) // bs + 1 if only else int(witness_blocks)
-    s_sink = int(sink_tokens) if token_sinks else int(sink_blocks) * bs
-    S = s_sink + (int(local_blocks) + n_wit) * bs
+    bs = layout.block_size
+    only = layout.only
+    compress = layout.compress_mode and scaffold_lengths is not None
+    n_wit = layout.witness_count(W)
+    S = layout.slot_count(W)
     N = 0 if drift is None else drift.shape[1]
     dummy = lengths  # any tensor on the device, for pointers that are never read
     scores = None if only else learned_scores
@@ -458,13 +414,13 @@ def _launch_spec(
     )
     constexprs = dict(
         BLOCK_W=block_w, BLOCK_S=block_s, BLOCK_N=_pow2(N),
-        BS=bs, S_SINK=s_sink, SINK_BLK=(int(sink_tokens) // bs) if token_sinks else int(sink_blocks),
-        SINK_TOKENS=int(sink_tokens) if token_sinks else 0, TOKEN_SINKS=token_sinks,
-        PARTIAL_SINK=token_sinks and int(sink_tokens) % bs != 0, LOCAL_BLOCKS=int(local_blocks),
-        N_WIT=n_wit, STRUCT_CAP=int(structural_cap), ONLY=only, COMPRESS=compress,
-        COMP_START_BLK=-(-int(sink_tokens) // bs) if token_sinks else 0,  # blocks holding sinks stay whole
+        BS=bs, S_SINK=layout.sink_slots, SINK_BLK=layout.sink_full_blocks,
+        SINK_TOKENS=layout.sink_tokens if layout.token_sinks else 0, TOKEN_SINKS=layout.token_sinks,
+        PARTIAL_SINK=layout.partial_sink, LOCAL_BLOCKS=layout.local_blocks,
+        N_WIT=n_wit, STRUCT_CAP=layout.structural_cap(W), ONLY=only, COMPRESS=compress,
+        COMP_START_BLK=layout.compress_start_block,
         HAS_OFF=offsets is not None, HAS_DRIFT=drift is not None, HAS_SCORES=scores is not None,
-        SCALE_BUDGET=bool(scale_budget_by_length) and not only, IDX_MAX=torch.iinfo(x.dtype).max,
+        SCALE_BUDGET=layout.scale_budget_by_length, IDX_MAX=torch.iinfo(x.dtype).max,
         WRITE_MISMATCH=mismatch_rows is not None,
     )
     return out, counters, (args, constexprs, 4 if max(block_w, block_s) <= 1024 else 8)

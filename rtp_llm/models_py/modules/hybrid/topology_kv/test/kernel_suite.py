@@ -33,6 +33,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.policy import (
     topology_kv_policy_core,
     topology_only_learned_kept,
 )
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout
 from tools.device_under_test import DEVICE
 
 __all__ = [
@@ -78,10 +79,12 @@ def _t(values, dtype=torch.int64):
 
 def _kw(mode, W, *, sink_blocks=1, local_blocks=1, witness_blocks=1, block_size=4, frac=0.5, sink_tokens=None,
         scaled=False):
-    """Core keywords as ``apply_topology_kv_policy`` derives them from a config."""
-    return dict(mode=mode, sink_blocks=sink_blocks, local_blocks=local_blocks, witness_blocks=witness_blocks,
-                block_size=block_size, structural_cap=int(math.floor(W * frac)), sink_tokens=sink_tokens,
-                scale_budget_by_length=scaled)
+    """The kernels' keyword: the layout, whose structural cap at width ``W`` is ``floor(W * frac)``."""
+    layout = PolicyLayout(mode=mode, sink_blocks=sink_blocks, local_blocks=local_blocks,
+                          witness_blocks=witness_blocks, block_size=block_size, sink_tokens=sink_tokens,
+                          max_structural_fraction=frac, scale_budget_by_length=scaled)
+    assert layout.structural_cap(W) == int(math.floor(W * frac))
+    return dict(layout=layout)
 
 
 # ---------------------------------------------------------------- expected values
@@ -116,7 +119,7 @@ def core_with_lazy(x, lengths, offsets, drift, scores, scaffold, **kw):
     """
     out, counters = topology_kv_policy_core(x, lengths, offsets, drift, scores, scaffold, **kw)
     mismatch = counters["mismatch_rows"]
-    if kw["mode"] is ONLY:
+    if kw["layout"].only:
         kept = learned = 0
         for row, new, bad in zip(x.tolist(), out.tolist(), mismatch.tolist()):
             if not bad:
@@ -141,7 +144,7 @@ def expected(x, lengths, offsets, drift, scores, scaffold, **kw):
     exactly the broken rows of :func:`broken_rows`, return those unchanged and count
     them only in ``coordinate_mismatch_fallbacks``.
     """
-    broken = broken_rows(x, lengths, offsets, drift, kw["block_size"])
+    broken = broken_rows(x, lengths, offsets, drift, kw["layout"].block_size)
     want, counters, mismatch = core_with_lazy(x, lengths, offsets, drift, scores, scaffold, **kw)
     want = want.cpu()
     assert torch.equal(mismatch, broken), f"core flags {mismatch}, the contract {broken}"

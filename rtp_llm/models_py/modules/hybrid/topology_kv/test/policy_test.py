@@ -35,6 +35,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.policy import (
     TopologyRequestContext,
 )
 
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout
 from tools.device_under_test import DEVICE
 
 # The interpreter runs Triton on CPU, but too slowly for this whole module (its own test
@@ -577,8 +578,9 @@ def test_core_compiles_fullgraph_without_graph_breaks(mode, sink_tokens, scaled)
     drift = torch.rand(R, 30, generator=gen).to(DEVICE)
     scaffold = _t([8, 8, 8])
     fn = functools.partial(
-        topology_kv_policy_core, mode=mode, sink_blocks=1, local_blocks=2, witness_blocks=2, block_size=4,
-        structural_cap=8, sink_tokens=sink_tokens, scale_budget_by_length=scaled,
+        topology_kv_policy_core,
+        layout=PolicyLayout(mode=mode, sink_blocks=1, local_blocks=2, witness_blocks=2, block_size=4,
+                            sink_tokens=sink_tokens, max_structural_fraction=0.5, scale_budget_by_length=scaled),
     )
     args = (x, L, torch.zeros_like(L), drift, scores, scaffold)
     explain = torch._dynamo.explain(fn)(*args)

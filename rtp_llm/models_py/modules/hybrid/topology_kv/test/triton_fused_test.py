@@ -65,6 +65,7 @@ import os, sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import triton_fused as K
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout
 from rtp_llm.models_py.modules.hybrid.topology_kv.policy import COUNTER_NAMES, TopologyKVPolicyMode as M
 
 PTR = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.float16: "*fp16",
@@ -77,9 +78,9 @@ def compile_case(mode, W, bs, idt, *, scores=None, drift=False, offsets=False, s
     _, _, (args, consts, warps) = K._launch_spec(
         x, L, torch.zeros(R, dtype=torch.int64) if offsets else None,
         torch.zeros(R, 50) if drift else None, None if scores is None else torch.zeros(R, W, dtype=scores),
-        torch.zeros(R, dtype=torch.int64) if scaffold else None, mode=mode, sink_blocks=1, local_blocks=2,
-        witness_blocks=2, block_size=bs, structural_cap=W // 4, sink_tokens=sink_tokens,
-        scale_budget_by_length=scaled, out=None, counters=None,
+        torch.zeros(R, dtype=torch.int64) if scaffold else None, layout=PolicyLayout(mode=mode, sink_blocks=1,
+        local_blocks=2, witness_blocks=2, block_size=bs, sink_tokens=sink_tokens, max_structural_fraction=0.25,
+        scale_budget_by_length=scaled), out=None, counters=None,
         mismatch_rows=torch.zeros(R, dtype=torch.bool) if mismatch else None)
     names = K._topology_kv_policy_kernel.arg_names
     sig = dict(zip([n for n in names if n not in consts],
