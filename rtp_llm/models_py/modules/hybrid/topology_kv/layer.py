@@ -30,7 +30,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     WitnessSignal,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import resolve_backend
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout, PolicyTensors
 from rtp_llm.models_py.modules.hybrid.topology_kv.policy import (
     TopologyKVCounters,
     TopologyKVPolicyResult,
@@ -146,9 +146,9 @@ class TopologyKVLayerPolicy:
         backend = self.backend
         if backend is None:
             backend = resolve_backend(config.backend, topk_indices.device)  # cached per (backend, device)
+        inputs = PolicyTensors(topk_indices, lengths, offsets, block_drift_scores, None, plan.scaffold_lengths)
         rows, counters, lazy = run_layout(
-            backend, self.layout, topk_indices, lengths, offsets, block_drift_scores, row_to_request,
-            None, plan.scaffold_lengths, out=out, counters_out=counters_out,
+            backend, self.layout, inputs, row_to_request, out=out, counters_out=counters_out
         )
         return TopologyKVPolicyResult(
             indices=rows,

@@ -33,7 +33,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (  # noqa: F401 
     TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout, PolicyTensors
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import (  # noqa: F401 (re-exported)
     resolve_backend,
     run_policy_core,
@@ -315,9 +315,9 @@ def apply_topology_kv_policy(
     resolved = resolve_backend(config.backend if backend is None else backend, topk_indices.device)
     if validate:
         _validate_buffers(topk_indices, out, counters_out)
+    inputs = PolicyTensors(topk_indices, lengths, topk_indices_offset, block_drift_scores, learned_scores, scaffold)
     rows, counters, lazy = run_layout(
-        resolved, PolicyLayout.from_config(config), topk_indices, lengths, topk_indices_offset, block_drift_scores,
-        row_to_request, learned_scores, scaffold, out=out, counters_out=counters_out,
+        resolved, PolicyLayout.from_config(config), inputs, row_to_request, out=out, counters_out=counters_out
     )
     elapsed = None
     if measure_time:
@@ -334,13 +334,8 @@ def apply_topology_kv_policy(
 def run_layout(
     backend: TopologyKVBackend,
     layout: PolicyLayout,
-    topk_indices: torch.Tensor,
-    lengths: torch.Tensor,
-    offsets: Optional[torch.Tensor],
-    block_drift_scores: Optional[torch.Tensor],
-    row_to_request: Optional[torch.Tensor],
-    learned_scores: Optional[torch.Tensor],
-    scaffold_lengths: Optional[torch.Tensor],
+    inputs: PolicyTensors,
+    row_to_request: Optional[torch.Tensor] = None,
     *,
     out: Optional[torch.Tensor] = None,
     counters_out: Optional[torch.Tensor] = None,
@@ -349,15 +344,12 @@ def run_layout(
 
     What :func:`apply_topology_kv_policy` runs after its checks, and what a
     :class:`~rtp_llm.models_py.modules.hybrid.topology_kv.layer.TopologyKVLayerPolicy`
-    runs per call. Returns :func:`run_policy_core`'s ``(rows, counters, lazy)``.
+    runs per call. ``inputs.drift`` is ``[B, N]`` with ``row_to_request``, else ``[R, N]``.
+    Returns :func:`run_policy_core`'s ``(rows, counters, lazy)``.
     """
-    drift = block_drift_scores
-    if drift is not None and row_to_request is not None:
-        drift = drift.index_select(0, row_to_request.to(torch.int64))  # [B, N] -> [R, N]
-    return run_policy_core(
-        backend, topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths,
-        layout=layout, out=out, counters_out=counters_out,
-    )
+    if inputs.drift is not None and row_to_request is not None:
+        inputs = inputs._replace(drift=inputs.drift.index_select(0, row_to_request.to(torch.int64)))  # [R, N]
+    return run_policy_core(backend, inputs, layout=layout, out=out, counters_out=counters_out)
 
 
 def _validate_buffers(topk_indices: torch.Tensor, out, counters_out) -> None:

@@ -45,6 +45,7 @@ import torch
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import (  # noqa: F401 (COUNTER_NAMES: the order)
     COUNTER_NAMES,
     PolicyLayout,
+    PolicyTensors,
     check_kernel_buffers,
 )
 
@@ -115,12 +116,7 @@ def build_error() -> Optional[str]:
 
 
 def topology_kv_policy_cpu(
-    topk_indices: torch.Tensor,
-    lengths: torch.Tensor,
-    offsets: Optional[torch.Tensor],
-    drift: Optional[torch.Tensor],
-    learned_scores: Optional[torch.Tensor],
-    scaffold_lengths: Optional[torch.Tensor],
+    inputs: PolicyTensors,
     *,
     layout: PolicyLayout,
     out: Optional[torch.Tensor] = None,
@@ -131,14 +127,7 @@ def topology_kv_policy_cpu(
 
     Parameters
     ----------
-    topk_indices : int32/int64 ``[R, W]`` learned rows (valid entries first, then padding)
-    lengths : int32/int64 ``[R]`` causal lengths
-    offsets : int32/int64 ``[R]`` row offsets, or None (all zero)
-    drift : float ``[R, N]`` witness scores, or None (most recent blocks win)
-    learned_scores : float ``[R, W]`` aligned with ``topk_indices``, or None (merge modes
-        evict the row's last entries); ignored by ``TOPOLOGY_ONLY``
-    scaffold_lengths : int32/int64 ``[R]`` (compress mode), or None (no compression)
-    layout : :class:`PolicyLayout`, as in :func:`topology_kv_policy_core`
+    inputs, layout : as in :func:`topology_kv_policy_core`
     out : like ``topk_indices``, or None (allocated). Fully overwritten.
     counters : int64 ``[len(COUNTER_NAMES)]``, or None (zeros allocated). The call *adds*
         its counts in :data:`COUNTER_NAMES` order; for ``TOPOLOGY_ONLY`` including the
@@ -149,21 +138,20 @@ def topology_kv_policy_cpu(
     -------
     ``(out, counters)``: int ``[R, W]`` (``topk_indices``' dtype) and the int64 counters.
     """
-    if isinstance(topk_indices, torch.Tensor) and topk_indices.device.type != "cpu":
-        raise ValueError(f"topk_indices: expected a CPU tensor, got {topk_indices.device}")
-    out, counters = check_kernel_buffers(
-        layout, topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, out, counters, mismatch_rows
-    )
-    R, W = topk_indices.shape
+    x = inputs.topk_indices
+    if isinstance(x, torch.Tensor) and x.device.type != "cpu":
+        raise ValueError(f"topk_indices: expected a CPU tensor, got {x.device}")
+    out, counters = check_kernel_buffers(layout, inputs, out, counters, mismatch_rows)
+    R, W = x.shape
     if R == 0:
         return out, counters
-    only = layout.only
-    compress = layout.compress_mode and scaffold_lengths is not None
+    _, lengths, offsets, drift, scores, scaffold = inputs
+    compress = layout.compress_mode and scaffold is not None
     drift = None if drift is None else drift.to(torch.float32)  # as the core (schedule.witness_blocks_unchecked)
-    scores = None if only or learned_scores is None else learned_scores.to(torch.float32)  # as score_sort_keys
+    scores = None if layout.only or scores is None else scores.to(torch.float32)  # as score_sort_keys
     _load().run(
-        topk_indices, out, lengths, offsets, drift, scores, scaffold_lengths if compress else None, counters,
-        mismatch_rows, only, compress, layout.sink_blocks, layout.local_blocks, layout.witness_count(W),
+        x, out, lengths, offsets, drift, scores, scaffold if compress else None, counters, mismatch_rows,
+        layout.only, compress, layout.sink_blocks, layout.local_blocks, layout.witness_count(W),
         layout.block_size, layout.structural_cap(W), -1 if layout.sink_tokens is None else layout.sink_tokens,
         layout.scale_budget_by_length, max(1, _GRAIN_ENTRIES // max(W, 1)),
     )

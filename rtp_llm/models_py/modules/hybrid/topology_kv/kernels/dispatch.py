@@ -35,7 +35,7 @@ import torch
 
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_fused as topology_kv_policy_cpu
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import TopologyKVBackend
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import COUNTER_NAMES, PolicyLayout
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import COUNTER_NAMES, PolicyLayout, PolicyTensors
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.torch_core import topology_kv_policy_core
 
 
@@ -123,12 +123,7 @@ def compiled_core() -> Callable:
 
 def run_policy_core(
     backend: TopologyKVBackend,
-    topk_indices: torch.Tensor,
-    lengths: torch.Tensor,
-    offsets: Optional[torch.Tensor],
-    drift: Optional[torch.Tensor],
-    learned_scores: Optional[torch.Tensor],
-    scaffold_lengths: Optional[torch.Tensor],
+    inputs: PolicyTensors,
     *,
     layout: PolicyLayout,
     out: Optional[torch.Tensor] = None,
@@ -148,14 +143,12 @@ def run_policy_core(
             if backend is TopologyKVBackend.TRITON
             else topology_kv_policy_cpu.topology_kv_policy_cpu
         )
-        rows, buffer = kernel(
-            topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths,
-            layout=layout, out=out, counters=counters_out,
-        )
+        rows, buffer = kernel(inputs, layout=layout, out=out, counters=counters_out)
         # The per-name views cost ~1 us each on CPU: made only when a counter is read.
         return rows, {}, lambda: buffer_counters(buffer)
     core = compiled_core() if backend is TopologyKVBackend.COMPILED else topology_kv_policy_core
-    rows, counters = core(topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, layout=layout)
+    rows, counters = core(inputs, layout=layout)
+    topk_indices = inputs.topk_indices
     mismatch_rows = counters.pop("mismatch_rows")
     if out is not None:
         out.copy_(rows)

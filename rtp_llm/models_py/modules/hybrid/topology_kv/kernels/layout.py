@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -41,6 +41,29 @@ COUNTER_NAMES = (
 )
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class PolicyTensors(NamedTuple):
+    """A policy call's input tensors (``R`` rows, ``W`` width, ``N`` blocks), never modified.
+
+    topk_indices : int32/int64 ``[R, W]`` learned rows: request-local positions inside
+        ``[offset, offset + length)``, valid entries first, then negative padding
+    lengths : int32/int64 ``[R]`` causal lengths (a row with length <= 0 is broken)
+    offsets : int32/int64 ``[R]`` row offsets, or None (all zero)
+    drift : float ``[R, N]`` witness scores (``[B, N]`` with a row-to-request map, before
+        :func:`~rtp_llm.models_py.modules.hybrid.topology_kv.policy.run_layout` selects the
+        rows), or None (the most recent blocks win)
+    learned_scores : float ``[R, W]`` aligned with ``topk_indices``, or None (merge modes
+        evict the row's last entries); ignored by ``TOPOLOGY_ONLY``
+    scaffold_lengths : int32/int64 ``[R]`` scaffold span per row (compress mode), or None
+    """
+
+    topk_indices: torch.Tensor
+    lengths: torch.Tensor
+    offsets: Optional[torch.Tensor] = None
+    drift: Optional[torch.Tensor] = None
+    learned_scores: Optional[torch.Tensor] = None
+    scaffold_lengths: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +191,7 @@ def _check_float(name: str, t, shape: str, R: int, width: Optional[int], device:
 
 def check_kernel_buffers(
     layout: PolicyLayout,
-    topk_indices: torch.Tensor,
-    lengths: torch.Tensor,
-    offsets: Optional[torch.Tensor],
-    drift: Optional[torch.Tensor],
-    learned_scores: Optional[torch.Tensor],
-    scaffold_lengths: Optional[torch.Tensor],
+    inputs: PolicyTensors,
     out: Optional[torch.Tensor],
     counters: Optional[torch.Tensor],
     mismatch_rows: Optional[torch.Tensor],
@@ -182,7 +200,7 @@ def check_kernel_buffers(
     when None. Errors name the argument, expected and actual; no value is read."""
     if not isinstance(layout, PolicyLayout):
         raise TypeError(f"layout: expected PolicyLayout, got {type(layout).__name__}")
-    x = topk_indices
+    x, lengths, offsets, drift, learned_scores, scaffold_lengths = inputs
     if not isinstance(x, torch.Tensor) or x.dtype not in _INDEX_DTYPES or x.dim() != 2:
         raise TypeError("topk_indices: expected an int32/int64 tensor [R, W], got "
                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")

@@ -29,7 +29,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import COUNTER_NAMES, PolicyLayout
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import COUNTER_NAMES, PolicyLayout, PolicyTensors
 from rtp_llm.models_py.modules.hybrid.topology_kv.row_contract import violations_of_rows
 from rtp_llm.models_py.modules.hybrid.topology_kv.schedule import (
     expand_blocks_unchecked,
@@ -396,12 +396,7 @@ def _counters(ok, mismatch, lengths64, n_selected, n_learned, n_kept, n_injected
 
 
 def topology_kv_policy_core(
-    topk_indices: torch.Tensor,
-    lengths: torch.Tensor,
-    offsets: Optional[torch.Tensor],
-    drift: Optional[torch.Tensor],
-    learned_scores: Optional[torch.Tensor],
-    scaffold_lengths: Optional[torch.Tensor],
+    inputs: PolicyTensors,
     *,
     layout: PolicyLayout,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
@@ -409,14 +404,8 @@ def topology_kv_policy_core(
 
     Parameters
     ----------
-    topk_indices : int32/int64 ``[R, W]`` learned rows: request-local positions, valid
-        entries first, then negative padding (the engine's top-k convention)
-    lengths : int32/int64 ``[R]`` causal lengths (a row with length <= 0 is broken)
-    offsets : int32/int64 ``[R]`` row offsets, or None (all zero)
-    drift : float ``[R, N]`` witness scores per row, or None (most recent blocks win);
-        rows longer than ``N`` blocks are broken
-    learned_scores : float ``[R, W]`` aligned with ``topk_indices``, or None
-    scaffold_lengths : int ``[R]`` scaffold span per row (compress mode), or None
+    inputs : :class:`PolicyTensors` (``drift`` ``[R, N]``; rows longer than ``N`` blocks
+        are broken)
     layout : :class:`PolicyLayout`: the mode, block counts and derived constants; the
         structural cap is ``layout.structural_cap(W)``
 
@@ -469,6 +458,7 @@ def topology_kv_policy_core(
     eviction only scans the row's last
     ``min(W, S)`` entries, which always hold enough candidates (see :func:`_evict`).
     """
+    topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths = inputs
     device = topk_indices.device
     W = topk_indices.shape[1]
     bs = layout.block_size

@@ -77,6 +77,7 @@ import torch
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import (  # noqa: F401 (COUNTER_NAMES: the order)
     COUNTER_NAMES,
     PolicyLayout,
+    PolicyTensors,
     check_kernel_buffers,
 )
 
@@ -328,12 +329,7 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 
 def topology_kv_policy_triton(
-    topk_indices: torch.Tensor,
-    lengths: torch.Tensor,
-    offsets: Optional[torch.Tensor],
-    drift: Optional[torch.Tensor],
-    learned_scores: Optional[torch.Tensor],
-    scaffold_lengths: Optional[torch.Tensor],
+    inputs: PolicyTensors,
     *,
     layout: PolicyLayout,
     out: Optional[torch.Tensor] = None,
@@ -344,9 +340,7 @@ def topology_kv_policy_triton(
 
     Parameters
     ----------
-    topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, layout : as in
-        :func:`topology_kv_policy_core` (``drift`` float ``[R, N]``, ``learned_scores`` float
-        ``[R, W]``, the others int ``[R]``)
+    inputs, layout : as in :func:`topology_kv_policy_core`
     out : int ``[R, W]`` like ``topk_indices``, or None (allocated). Fully overwritten.
     counters : int64 ``[len(COUNTER_NAMES)]``, or None (zeros allocated). The call *adds*
         its counts (atomically), in :data:`COUNTER_NAMES` order; for ``TOPOLOGY_ONLY``
@@ -358,19 +352,15 @@ def topology_kv_policy_triton(
     ``(out, counters)``. Nothing is read on the host and, with ``out`` and ``counters``
     given, nothing is allocated: the call can be captured in a CUDA graph.
     """
-    out, counters, launch = _launch_spec(
-        topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, layout=layout,
-        out=out, counters=counters, mismatch_rows=mismatch_rows,
-    )
+    out, counters, launch = _launch_spec(inputs, layout=layout, out=out, counters=counters,
+                                         mismatch_rows=mismatch_rows)
     if launch is not None:  # None: no rows
         args, constexprs, num_warps = launch
-        _topology_kv_policy_kernel[(topk_indices.shape[0],)](*args, **constexprs, num_warps=num_warps)
+        _topology_kv_policy_kernel[(inputs.topk_indices.shape[0],)](*args, **constexprs, num_warps=num_warps)
     return out, counters
 
 
-def _launch_spec(
-    topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, *, layout, out, counters, mismatch_rows,
-):
+def _launch_spec(inputs, *, layout, out, counters, mismatch_rows):
     """Check the tensors (metadata only), allocate missing buffers, build the kernel's arguments.
 
     Returns ``(out, counters, launch)``; ``launch`` is ``(args, constexprs, num_warps)`` for
@@ -379,10 +369,8 @@ def _launch_spec(
     """
     if triton is None:
         raise RuntimeError("topology_kv_policy_triton: triton is not installed")
-    out, counters = check_kernel_buffers(
-        layout, topk_indices, lengths, offsets, drift, learned_scores, scaffold_lengths, out, counters, mismatch_rows
-    )
-    x = topk_indices
+    out, counters = check_kernel_buffers(layout, inputs, out, counters, mismatch_rows)
+    x, lengths, offsets, drift, learned_scores, scaffold_lengths = inputs
     R, W = x.shape
     if W == 0:
         raise ValueError(f"topk_indices: expected W > 0 columns, got shape {tuple(x.shape)}")

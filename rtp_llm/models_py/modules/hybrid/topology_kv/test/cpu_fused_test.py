@@ -27,13 +27,14 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.test.kernel_suite import (  # 
     check_equal,
     equals_core_test,
     expected,
+    tensor_call,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.cpu_fused import (  # noqa: E402
     can_use_cpu_kernel,
     topology_kv_policy_cpu,
 )
 
-KERNEL = topology_kv_policy_cpu
+KERNEL = tensor_call(topology_kv_policy_cpu)
 
 test_cpu_kernel_equals_core = equals_core_test(KERNEL, int(os.environ.get("TOPOLOGY_KV_CPU_EXAMPLES", "300")))
 
@@ -51,7 +52,7 @@ def test_out_may_be_the_input(mode):
     L = _t([40, 9, 9])
     want, want_counters, _ = expected(x, L, None, None, None, _t([20, 20, 20]), **_kw(mode, 8))
     y = x.clone()
-    out, counters = topology_kv_policy_cpu(y, L, None, None, None, _t([20, 20, 20]), out=y, **_kw(mode, 8))
+    out, counters = KERNEL(y, L, None, None, None, _t([20, 20, 20]), out=y, **_kw(mode, 8))
     assert out is y and torch.equal(y, want) and counters.tolist() == want_counters
 
 

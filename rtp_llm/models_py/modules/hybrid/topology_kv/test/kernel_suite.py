@@ -33,7 +33,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.policy import (
     topology_kv_policy_core,
     topology_only_learned_kept,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout, PolicyTensors
 from tools.device_under_test import DEVICE
 
 __all__ = [
@@ -65,6 +65,16 @@ ENABLED_MODES = [MERGE, COMPRESS, ONLY]
 FALLBACK = COUNTER_NAMES.index("coordinate_mismatch_fallbacks")
 I32 = 2**31 - 1
 I64 = 2**63 - 1
+
+
+def tensor_call(kernel):
+    """``kernel`` called with the six input tensors positionally (packed into PolicyTensors)."""
+
+    def call(x, lengths, offsets=None, drift=None, scores=None, scaffold=None, **kw):
+        return kernel(PolicyTensors(x, lengths, offsets, drift, scores, scaffold), **kw)
+
+    call.kernel = kernel
+    return call
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +127,7 @@ def core_with_lazy(x, lengths, offsets, drift, scores, scaffold, **kw):
     and equal to the policy's ``topology_only_learned_kept``), the others (evicted) and
     the selected ones not learned (injected).
     """
-    out, counters = topology_kv_policy_core(x, lengths, offsets, drift, scores, scaffold, **kw)
+    out, counters = topology_kv_policy_core(PolicyTensors(x, lengths, offsets, drift, scores, scaffold), **kw)
     mismatch = counters["mismatch_rows"]
     if kw["layout"].only:
         kept = learned = 0

@@ -9,7 +9,6 @@ bit for bit against the torch core): the module-scoped ``backend`` fixture force
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import pytest
@@ -35,7 +34,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.policy import (
     TopologyRequestContext,
 )
 
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout, PolicyTensors
 from tools.device_under_test import DEVICE
 
 # The interpreter runs Triton on CPU, but too slowly for this whole module (its own test
@@ -577,11 +576,12 @@ def test_core_compiles_fullgraph_without_graph_breaks(mode, sink_tokens, scaled)
     scores = torch.rand(R, W, generator=gen).to(DEVICE)
     drift = torch.rand(R, 30, generator=gen).to(DEVICE)
     scaffold = _t([8, 8, 8])
-    fn = functools.partial(
-        topology_kv_policy_core,
-        layout=PolicyLayout(mode=mode, sink_blocks=1, local_blocks=2, witness_blocks=2, block_size=4,
-                            sink_tokens=sink_tokens, max_structural_fraction=0.5, scale_budget_by_length=scaled),
-    )
+    layout = PolicyLayout(mode=mode, sink_blocks=1, local_blocks=2, witness_blocks=2, block_size=4,
+                          sink_tokens=sink_tokens, max_structural_fraction=0.5, scale_budget_by_length=scaled)
+
+    def fn(*tensors):
+        return topology_kv_policy_core(PolicyTensors(*tensors), layout=layout)
+
     args = (x, L, torch.zeros_like(L), drift, scores, scaffold)
     explain = torch._dynamo.explain(fn)(*args)
     assert explain.graph_break_count == 0, explain.break_reasons

@@ -29,6 +29,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.test.kernel_suite import (
     check_equal,
     equals_core_test,
     expected,
+    tensor_call,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.policy import COUNTER_NAMES
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.triton_fused import (
@@ -37,7 +38,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.triton_fused import (
 )
 from tools.device_under_test import DEVICE
 
-KERNEL = topology_kv_policy_triton
+KERNEL = tensor_call(topology_kv_policy_triton)
 
 test_triton_equals_core = equals_core_test(KERNEL, int(os.environ.get("TOPOLOGY_KV_TRITON_EXAMPLES", "120")))
 
@@ -51,7 +52,7 @@ def test_rejects_zero_width():
     # The fused C++ kernel returns an empty [R, 0] instead (apply_topology_kv_policy rejects
     # W == 0 before any backend runs).
     with pytest.raises(ValueError, match="W > 0"):
-        topology_kv_policy_triton(_t([[]]), _t([2]), None, None, None, None, **_kw(MERGE, 0))
+        KERNEL(_t([[]]), _t([2]), None, None, None, None, **_kw(MERGE, 0))
 
 
 # ---------------------------------------------------------------- compiled for a GPU target
@@ -65,7 +66,7 @@ import os, sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import triton_fused as K
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout, PolicyTensors
 from rtp_llm.models_py.modules.hybrid.topology_kv.policy import COUNTER_NAMES, TopologyKVPolicyMode as M
 
 PTR = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.float16: "*fp16",
@@ -75,10 +76,10 @@ def compile_case(mode, W, bs, idt, *, scores=None, drift=False, offsets=False, s
     R = 2
     x = torch.full((R, W), -1, dtype=idt)
     L = torch.full((R,), 40, dtype=torch.int32)
-    _, _, (args, consts, warps) = K._launch_spec(
+    _, _, (args, consts, warps) = K._launch_spec(PolicyTensors(
         x, L, torch.zeros(R, dtype=torch.int64) if offsets else None,
         torch.zeros(R, 50) if drift else None, None if scores is None else torch.zeros(R, W, dtype=scores),
-        torch.zeros(R, dtype=torch.int64) if scaffold else None, layout=PolicyLayout(mode=mode, sink_blocks=1,
+        torch.zeros(R, dtype=torch.int64) if scaffold else None), layout=PolicyLayout(mode=mode, sink_blocks=1,
         local_blocks=2, witness_blocks=2, block_size=bs, sink_tokens=sink_tokens, max_structural_fraction=0.25,
         scale_budget_by_length=scaled), out=None, counters=None,
         mismatch_rows=torch.zeros(R, dtype=torch.bool) if mismatch else None)
@@ -153,11 +154,11 @@ def test_cuda_graph_capture_and_replay(mode):
     out = torch.empty_like(bufs[0])
     counters = torch.zeros(len(COUNTER_NAMES), dtype=torch.int64, device=DEVICE)
     args = lambda: (bufs[0], bufs[1], None, bufs[2], bufs[3], bufs[4])  # noqa: E731
-    topology_kv_policy_triton(*args(), out=out, counters=counters, **kw)  # compile outside the capture
+    KERNEL(*args(), out=out, counters=counters, **kw)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        topology_kv_policy_triton(*args(), out=out, counters=counters, **kw)
+        KERNEL(*args(), out=out, counters=counters, **kw)
     for seed in (1, 2, 3):
         new = inputs(seed)
         for buf, val in zip(bufs, new):
@@ -165,7 +166,7 @@ def test_cuda_graph_capture_and_replay(mode):
         counters.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        eager_out, eager_counters = topology_kv_policy_triton(*args(), **kw)
+        eager_out, eager_counters = KERNEL(*args(), **kw)
         assert torch.equal(out, eager_out) and torch.equal(counters, eager_counters)
         want, want_counters, _ = expected(*args(), **kw)
         assert torch.equal(out.cpu(), want) and counters.cpu().tolist() == want_counters
