@@ -5,7 +5,7 @@
     py_pytest_test(
         name = "test_schedule",
         srcs = ["test_schedule.py"],
-        deps = ["//rtp_llm/models_py/modules/hybrid:topology_kv_schedule"],
+        deps = ["//rtp_llm/models_py/modules/hybrid/topology_kv"],
     )
 
 Only srcs named test_*.py or *_test.py are handed to pytest (all srcs if none is); put

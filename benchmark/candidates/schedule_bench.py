@@ -103,7 +103,7 @@ from benchmark.candidates.block_schedule import (
     build_topology_token_indices,
 )
 
-# The first eight are the contract of the issue (order matters to the consumers of the
+# The first eight are the TSV contract (order matters to the consumers of the
 # TSV); the rest are diagnostics.
 COLUMNS = (
     "seq_len",

@@ -5,7 +5,7 @@ module computes the alternatives to key-centroid drift that the quality harness 
 policy benchmark study (:class:`WitnessSignal`). They need the row's query and a
 per-block key table, so they cost ``R * N * H * D`` multiply-adds per call: one
 ``block_size``-th of an indexer scan. The serving ``Indexer`` wires only key drift
-(``BlockDriftTracker``); see ``docs/topology_vs_learned_runs.md`` for what each signal buys.
+(``BlockDriftTracker``); see ``docs/results.md`` (section 6.3) for what each signal buys.
 
 Shape vocabulary: ``R`` rows, ``N`` blocks, ``H`` query heads, ``Hkv`` KV heads, ``D``
 head dim, ``L`` KV length. Public functions validate; ``_unchecked`` variants never sync.

@@ -11,7 +11,7 @@ Modules, one concern each (imports run downwards):
     indexers   the proxy indexer and its presets (dsa-ratio, model); the variants' ``Indexer``
     memory     a step's transient peak host memory
     attention  the registered attention hook and its per-forward ``StepPlan``
-    report     issue 16's targets, markdown tables, the step-vs-batch plot, merged runs
+    report     the targets, markdown tables, the step-vs-batch plot, merged runs
     decode     prefill, the batch's layout for every variant, interleaved decode steps
     runner     one run over (context, batch): summary rows with every measured field
 """

@@ -9,7 +9,7 @@ this file is the command line and keeps the names other code imports.
 
 Per variant, context and batch: step time (median, p90) split into indexer / policy /
 attention / rest of the model, tokens/s, modelled KV bytes read, top-1 agreement and mean
-KL against dense, peak memory. Targets (issue 16, printed PASS/FAIL/NOT RUN, never
+KL against dense, peak memory. Targets (printed PASS/FAIL/NOT RUN, never
 asserted): at context 8192 ``topology_only_noscan`` >= 1.3x dense at batch 8;
 ``learned+topology_compress_sparse`` within 3% of ``learned`` step time at batch 1 and 8.
 

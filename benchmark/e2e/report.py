@@ -1,4 +1,4 @@
-"""The e2e report: issue 16's targets, markdown tables, the step-vs-batch plot, merged runs.
+"""The e2e report: the targets, markdown tables, the step-vs-batch plot, merged runs.
 
 Plain dicts in, text or files out, no model: runs written by ``--json`` merge into one
 report (:func:`merge_runs`, ``--merge A.json B.json --out DIR``).

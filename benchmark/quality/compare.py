@@ -1,6 +1,6 @@
 """Side-by-side comparison of quality runs (``results.json`` files of the same grid).
 
-Used for before/after tables (docs/topology_vs_learned_runs.md): for every context and budget, each selector's
+Used for before/after tables (docs/results.md, section 6): for every context and budget, each selector's
 perplexity in each run, its position against ``learned``, ``locality`` and ``oracle`` of
 the same run, its mean attention recall, and in how many layers its recall beats
 ``locality``'s. Runs must share the model, text, budgets and metric stride, and every

@@ -11,7 +11,7 @@ Checks for a policy mode (perplexity over the whole text window, every context r
    ``ppl(mode) / ppl(locality)`` (and ``random``) is ``< 1`` at every budget. For
    ``topology_only`` against ``locality`` the check is *never worse* (upper bound ``<= 1``):
    at the engine's defaults (recency witnesses) its rows are plain locality by construction
-   (tested bit for bit), so "strictly better" cannot hold; issue 14 asks that it never lose.
+   (tested bit for bit), so "strictly better" cannot hold; the gate requires that it never lose.
    The same holds for the ``profile`` selector of a ``topology_only`` profile (locality with
    a calibrated sink count per layer): the harness adds that pair (:func:`never_worse_pairs`).
 

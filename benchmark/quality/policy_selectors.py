@@ -2,7 +2,7 @@
 
 For each full-attention layer: the proxy indexer's top-W rows and scores
 (:func:`benchmark.quality.selector_base.learned_rows_and_scores`), the layer's key-centroid
-drift per 64-token block (``topology_kv_drift.block_key_centroids`` on the post-RoPE
+drift per 64-token block (``topology_kv.drift.block_key_centroids`` on the post-RoPE
 keys, then ``block_drift_scores``: block 0 scores 0), then the policy, exactly as the
 serving path calls it. All rows of a forward belong to one request, so the drift is one
 ``[1, N]`` row shared through ``row_to_request``; blocks past a row's causal length are
@@ -35,10 +35,10 @@ _POLICY_MODULE = "rtp_llm.models_py.modules.hybrid.topology_kv.policy"
 def _policy():
     try:
         from rtp_llm.models_py.modules.hybrid.topology_kv import policy as topology_kv_policy
-        from benchmark.candidates import witness as topology_kv_witness
+        from benchmark.candidates import witness
     except ImportError as exc:
         raise SetupError(f"the policy selectors need {_POLICY_MODULE} on the import path: {exc}") from exc
-    return topology_kv_policy, topology_kv_witness
+    return topology_kv_policy, witness
 
 
 def policy_mode_names() -> Tuple[str, ...]:

@@ -83,7 +83,7 @@ def top_rows_by_chunk(layer: LayerInputs, width: int, chunk_scores: ChunkScores)
     (``-inf`` past each row's causal length) before the next call.
 
     The same rows and scores, bit for bit, as :func:`~benchmark.quality.index_rows.rows_from_scores`
-    on each chunk (tests: ``test_topology_kv_quality_fast_path.py``): the same ``torch.topk``
+    on each chunk (tests: ``benchmark/test/test_quality_fast_path.py``): the same ``torch.topk``
     call on the same ``[Tc, lc]`` values, so ties resolve the same way; only the masking
     touches the ``[Tc, Tc]`` corner instead of a copy of the block, and the outputs are
     written in place instead of concatenated.

@@ -73,7 +73,7 @@ def run_micro(out_dir: Path, quick: bool, device: str) -> Dict:
 
     if quick:
         argv = ["--seq-len", "4096", "--selected-tokens", "128", "256", "--rounds", "10", "--warmup", "3"]
-    else:  # the screening command line
+    else:  # the screening command line (16k context, 4 budgets)
         argv = ["--seq-len", "16384", "--selected-tokens", "128", "256", "512", "1024", "--heads", "16",
                 "--head-dim", "64", "--rounds", "60", "--warmup", "20"]
     cold = _run_json_part(micro.main, "topology_kv_candidate_schedule.py", argv + ["--device", device,

@@ -23,7 +23,7 @@ scores (``IndexerTopologySettings.witness_signal``) come from a caller-owned
 :class:`BlockDriftTracker` (live key-centroid drift; the merge modes' default), or are not
 passed at all (recency: ``topology_only``'s default, which then selects plain locality).
 
-Configuration: :class:`IndexerTopologySettings` (``topology_kv_config``), read from the
+Configuration: :class:`IndexerTopologySettings` (``topology_kv.config``), read from the
 ``RTP_LLM_TOPOLOGY_KV_*`` environment variables once, at construction, when not passed.
 """
 

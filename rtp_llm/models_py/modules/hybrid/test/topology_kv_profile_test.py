@@ -1,4 +1,4 @@
-"""Per-layer profiles (``topology_kv_profile``): loader errors, the budget pick, and the
+"""Per-layer profiles (``topology_kv.profile``): loader errors, the budget pick, and the
 ``Indexer`` taking each layer's own settings once, at construction.
 
 CPU by default; ``//rtp_llm/models_py/modules/hybrid/test:topology_kv_profile_cuda_manual``

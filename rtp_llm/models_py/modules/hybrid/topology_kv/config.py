@@ -32,7 +32,7 @@ FRACTION``
                                                                          key_drift otherwise)
 ``RTP_LLM_TOPOLOGY_KV_PROFILE``             path of a per-layer profile  unset (no profile)
                                             (read by the ``Indexer``,
-                                            ``topology_kv_profile``)
+                                            ``topology_kv.profile``)
 ``RTP_LLM_TOPOLOGY_KV_PROFILE_BUDGET``      one of the profile's         nearest calibrated
                                             budgets, e.g. 1/16           budget to W / context
 =========================================== ============================ ==================
@@ -105,7 +105,7 @@ class CoordinateMismatchAction(enum.Enum):
 class StructuralBudget(enum.Enum):
     """How many structural tokens a merge mode may inject into a row of width ``W``."""
 
-    FIXED = "fixed"  # floor(W * max_structural_fraction) (the seed's rule)
+    FIXED = "fixed"  # floor(W * max_structural_fraction) per row
     SCALED = "scaled"  # that, times W / max(length, W): less structure as the row outgrows W
 
     @classmethod
@@ -114,7 +114,7 @@ class StructuralBudget(enum.Enum):
 
 
 class TopologyKVBackend(enum.Enum):
-    """Which implementation of the policy core runs (``topology_kv_policy_backends``).
+    """Which implementation of the policy core runs (``kernels.dispatch``).
 
     All produce the same rows and counters bit for bit (tested); they differ in cost and
     where they run.
@@ -235,7 +235,7 @@ class TopologyKVPolicyConfig:
     ----------
     policy : TopologyKVPolicyMode or its name (parsed case-insensitively)
     sink_blocks, local_blocks, witness_blocks : int >= 0
-        Structural blocks per row (see ``topology_kv_schedule``). ``TOPOLOGY_ONLY``
+        Structural blocks per row (see ``schedule``). ``TOPOLOGY_ONLY``
         ignores ``witness_blocks``: witnesses fill whatever budget remains. Together (with
         token sinks counted as ``ceil(sink_tokens / block_size)`` blocks) at most
         :data:`MAX_STRUCTURAL_BLOCKS`.
@@ -252,13 +252,13 @@ class TopologyKVPolicyConfig:
     sink_tokens : int >= 0 or None
         Token-granular sinks: the first ``sink_tokens`` tokens replace the ``sink_blocks``
         whole blocks, and the blocks they touch are never local or witness blocks. None
-        keeps whole sink blocks (the seed's setting). Default 4: in the quality runs
-        (docs/topology_vs_learned_runs.md) 4 token sinks took ``topology_sparse_merge``
+        keeps whole sink blocks. Default 4: in the quality runs (docs/results.md,
+        section 6.1) 4 token sinks took ``topology_sparse_merge``
         from +8.4% to -0.3% perplexity vs the learned indexer at W = 64 (ctx 1024), left
         ``topology_compress_sparse`` unchanged within noise, and kept ``topology_only``
         from spending a tight budget on one block (perplexity 464 -> 32.6 at W = 64).
     structural_budget : StructuralBudget or its name
-        ``fixed`` (seed): ``floor(W * max_structural_fraction)`` per row; ``scaled``: that
+        ``fixed``: ``floor(W * max_structural_fraction)`` per row; ``scaled``: that
         cap times ``W / max(length, W)``, rounded down.
     backend : TopologyKVBackend or its name
         Which implementation runs (same results): ``auto`` picks the fused kernel the

@@ -13,7 +13,7 @@ never reaches past the causal length. Input rows that break the contract (includ
 duplicate entries) are *broken*: returned unchanged and counted, or rejected in
 ``raise`` mode (:func:`row_violations` lists the rules).
 
-Hot-path rule: :func:`topology_kv_policy_core` (in ``topology_kv_policy_core``, with
+Hot-path rule: :func:`topology_kv_policy_core` (in ``kernels.torch_core``, with
 everything it calls) is pure tensor code with static shapes: no ``.item()``,
 ``.tolist()``, ``nonzero`` or loops over rows, so it runs inside a CUDA graph and under
 ``torch.compile(fullgraph=True)``. This module holds the public entry around it.
@@ -254,7 +254,7 @@ def apply_topology_kv_policy(
     validate : bool
         Check argument shapes, dtypes and devices (no value is read; no sync).
     backend : TopologyKVBackend, its name, or None (``config.backend``)
-        Which implementation runs (``topology_kv_policy_backends``: same rows and counters
+        Which implementation runs (``kernels.dispatch``: same rows and counters
         bit for bit). A backend forced by name that cannot run on the rows' device raises
         ``ValueError`` naming it, the device and why.
     plan : TopologyStepPlan or None

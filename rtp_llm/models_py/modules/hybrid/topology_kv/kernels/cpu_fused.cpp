@@ -1,7 +1,7 @@
 // The topology KV candidate policy as one fused CPU pass per row, rows in parallel.
 //
 // Same semantics as topology_kv_policy_core (its docstring is the specification); the
-// Python wrapper (topology_kv_policy_cpu.py) validates metadata, converts float inputs to
+// Python wrapper (cpu_fused.py) validates metadata, converts float inputs to
 // fp32 exactly as the core does, and calls `run` below. Per row, sequentially:
 //
 //  1. load the row (int64), check the coordinate contract (offset, length, dtype overflow,
@@ -461,5 +461,5 @@ void run(const at::Tensor& x, const at::Tensor& out, const at::Tensor& lengths,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("run", &run, "topology KV policy, one fused pass per row (see topology_kv_policy_cpu.py)");
+  m.def("run", &run, "topology KV policy, one fused pass per row (see cpu_fused.py)");
 }

@@ -19,7 +19,7 @@ drift : float ``[R, N]``; learned_scores : float ``[R, W]``. Both are read as fp
 counters : int64 ``[len(COUNTER_NAMES)]`` in :data:`COUNTER_NAMES` order, *accumulated*
 mismatch_rows : optional bool ``[R]``, written (True = broken row)
 
-The kernel (``topology_kv_policy_cpu.cpp``) is compiled on first use with
+The kernel (``cpu_fused.cpp``) is compiled on first use with
 :func:`torch.utils.cpp_extension.load` into ``$TORCH_EXTENSIONS_DIR`` (default: the
 per-user cache ``$XDG_CACHE_HOME/torch_extensions`` or ``~/.cache/torch_extensions``), in a
 folder named after a hash of the source, Python and torch versions: once per process, and

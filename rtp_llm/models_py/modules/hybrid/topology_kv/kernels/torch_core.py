@@ -7,7 +7,7 @@ loops over rows, so it runs inside a CUDA graph and under ``torch.compile(fullgr
 
 It reads top to bottom as stages, each a function below:
 
-1. :func:`_row_checks`: which rows are broken (rules in ``topology_kv_policy_rows``).
+1. :func:`_row_checks`: which rows are broken (rules in ``row_contract``).
 2. :func:`_structural_slots`: the block schedule expanded to the structural slot tokens
    (layout order ``[sinks | locals ascending | witnesses]``) and the priority order
    (:func:`_priority_permutation`: sinks ascending, locals and witness blocks newest first).
@@ -93,7 +93,7 @@ def _priority_permutation(s_tok: int, l_tok: int, n_wit: int, bs: int, device) -
 
 
 def _row_checks(x, lengths, offsets, drift_blocks, block_size):
-    """Which rows break the coordinate contract (see ``topology_kv_policy_rows.row_violations``).
+    """Which rows break the coordinate contract (see ``row_contract.row_violations``).
 
     Returns ``(valid [R, W] bool, n_valid [R] int64, mismatch [R] bool)``.
     """
@@ -424,7 +424,7 @@ def topology_kv_policy_core(
       ``[R, N]``, the row needs more than ``N`` blocks (``ceil(length / block_size)``).
       A broken row is returned unchanged and flagged in ``mismatch_rows``. Interval
       arithmetic is int64 whatever the dtypes: int64 lengths/offsets with int32 rows are
-      compared as int64, never truncated (see ``topology_kv_policy_rows.row_violations``).
+      compared as int64, never truncated (see ``row_contract.row_violations``).
     * Structural tokens in priority order: sink tokens (blocks ``0..sink_blocks-1``, or
       the first ``sink_tokens`` tokens, whose blocks are then neither local nor witness)
       ascending; local tokens (the ``local_blocks`` blocks ending at the row's last

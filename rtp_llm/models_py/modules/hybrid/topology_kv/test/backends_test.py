@@ -1,7 +1,7 @@
 """The policy's one dispatch point: backend choice, clear errors, caller buffers, compiled.
 
 The backends' semantics are pinned elsewhere, bit for bit against the torch core
-(``test_topology_kv_policy.py`` runs on every backend the device has; the kernels have
+(``policy_test.py`` runs on every backend the device has; the kernels have
 their own suites). Here: which backend runs, what a forced one that cannot run says, the
 ``out=`` / ``counters_out=`` contract on every backend, and the compiled path.
 """

@@ -1,10 +1,11 @@
 """The equality suite of the policy's fused kernels: a kernel equals the torch core bit for bit.
 
-Shared by ``test_topology_kv_policy_cpu.py`` (the fused C++ kernel) and
-``test_topology_kv_policy_triton.py`` (the Triton kernel; on CPU under the Triton
+Shared by ``cpu_fused_test.py`` (the fused C++ kernel) and
+``triton_fused_test.py`` (the Triton kernel; on CPU under the Triton
 interpreter, which :mod:`tools.device_under_test` switches on before triton is imported).
 A kernel is any callable with the signature of ``topology_kv_policy_cpu`` /
-``topology_kv_policy_triton``. Each test file sets ``KERNEL`` to its kernel, star-imports
+``topology_kv_policy_triton`` (one :class:`PolicyTensors`, the layout, the buffers), called
+here through :func:`tensor_call`. Each test file sets ``KERNEL`` to its kernel, star-imports
 this module (pytest collects the shared tests of :data:`__all__` there, under that file's
 name) and binds the property test with :func:`equals_core_test`.
 
@@ -233,7 +234,7 @@ def test_topology_only_fills_min_w_length_in_priority_order(kernel):
     x = _t([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [0, 1, 2, 3, 4, 5, 6, -1, -1, -1]])
     kw = _kw(ONLY, 10, local_blocks=1, witness_blocks=0)
     got = check_equal(kernel, x, _t([40, 7]), drift=drift, **kw)
-    # The cut witness block 4 (16..19) keeps its newest tokens (issue 14; before: 16, 17).
+    # The cut witness block 4 (16..19) keeps its newest tokens.
     assert got.tolist() == [[0, 1, 2, 3, 39, 38, 37, 36, 19, 18], [0, 1, 2, 3, 6, 5, 4, -1, -1, -1]]
     _, counters, _ = run(kernel, x, _t([40, 7]), None, drift, None, None, **kw)
     c = dict(zip(COUNTER_NAMES, counters.tolist()))

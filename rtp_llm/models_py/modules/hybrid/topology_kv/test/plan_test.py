@@ -1,4 +1,4 @@
-"""The per-step plan (issue 13.6): scaffold spans as device tensors, fingerprints once per step.
+"""The per-step plan: scaffold spans as device tensors, fingerprints once per step.
 
 A forward step builds one :class:`TopologyStepPlan` from its requests' contexts and passes
 it to every layer; a layer call then does no host work for compress mode (no host list,

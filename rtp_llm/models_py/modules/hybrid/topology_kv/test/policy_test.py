@@ -3,7 +3,7 @@
 CPU by default; ``TOPOLOGY_KV_TEST_DEVICE=cuda`` runs the same checks on a GPU
 (``//benchmark:topology_kv_policy_cuda_manual``). Every test runs once per backend that
 can run on the device (``torch`` always, ``cpu_fused`` on CPU, ``triton`` on CUDA; the
-Triton kernel's CPU run under the interpreter is ``test_topology_kv_policy_triton.py``,
+Triton kernel's CPU run under the interpreter is ``triton_fused_test.py``,
 bit for bit against the torch core): the module-scoped ``backend`` fixture forces it.
 """
 
@@ -65,10 +65,10 @@ def _t(values, dtype=torch.int64):
 
 
 def _cfg(mode, **kw):
-    # Whole sink blocks (sink_tokens=None): the hand-computed cases below were written for
-    # the block layout; token sinks (the default since issue 7) are tested with explicit values.
-    # RAISE explicitly: these tests check violations by the error (the config's default is
-    # the serving default, fallback_disabled, since issue 12).
+    # Whole sink blocks (sink_tokens=None): the hand-computed cases below use the block
+    # layout; token sinks (the default) are tested with explicit values. RAISE explicitly:
+    # these tests check violations by the error (the config's default is the serving
+    # default, fallback_disabled).
     base = dict(sink_blocks=1, local_blocks=1, witness_blocks=1, block_size=4, max_structural_fraction=0.5,
                 sink_tokens=None, coordinate_mismatch_action=CoordinateMismatchAction.RAISE)
     base.update(kw)
@@ -119,8 +119,7 @@ def test_sparse_merge_witness_by_drift_and_offsets():
     cfg = _cfg(MERGE, sink_blocks=0, local_blocks=0, witness_blocks=1, max_structural_fraction=1.0)
     x = _t([[100 + t for t in (1, 2, 3, 4)] + [-1] * 4])
     res = apply_topology_kv_policy(x, _t([40]), config=cfg, topk_indices_offset=_t([100]), block_drift_scores=drift)
-    # Witness tokens newest first (issue 14: a cut block keeps its newest tokens; before,
-    # ascending: 120, 121, 122, 123). Same tokens, other order.
+    # Witness tokens newest first: a block the budget cuts keeps its newest tokens.
     assert res.indices.tolist() == [[101, 102, 103, 104, 123, 122, 121, 120]]
     assert res.counters.to_dict()["learned_evicted_tokens"] == 0  # free space, no eviction
 
@@ -133,7 +132,7 @@ def test_topology_only_fills_min_w_length_in_priority_order():
     x = _t([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], _engine_row(7, 10)])
     res = apply_topology_kv_policy(x, _t([40, 7]), config=cfg, block_drift_scores=drift)
     # Long row: sink 0..3, local 39..36 (most recent first), then witness block 4
-    # (16..19) truncated to its newest 2 (issue 14; it kept the oldest, 16, 17, before).
+    # (16..19) truncated to its newest 2.
     assert res.indices[0].tolist() == [0, 1, 2, 3, 39, 38, 37, 36, 19, 18]
     # Short row (7 <= W): every token, in priority order (sink 0..3, local 6..4).
     assert res.indices[1].tolist() == [0, 1, 2, 3, 6, 5, 4, -1, -1, -1]
@@ -147,7 +146,7 @@ def test_topology_only_engine_defaults_with_recency_is_locality_hand_computed():
     # the witnesses are the most recent blocks. Length 200 = blocks 0..3, the last holding
     # 192..199. W = 100: sinks 0..3; locals = blocks 2, 3 = 199..128 (72 tokens); 24 more
     # from witness block 1 (64..127), which does not fit whole: its *newest* 24 tokens,
-    # 127..104, so the row is plain locality (before issue 14 it took 64..87, the oldest).
+    # 127..104, so the row is plain locality.
     cfg = TopologyKVPolicyConfig(policy=ONLY)
     x = _t([_engine_row(200, 100, chosen=range(100))])
     res = apply_topology_kv_policy(x, _t([200]), config=cfg)
@@ -196,7 +195,7 @@ def test_token_sinks_hand_computed():
     assert res.indices.tolist() == [[10, 11, 12, 13, 0, 1, 39, 38]]
     # Block 0 holds the sinks in part; its other tokens (2, 3) may still be a witness.
     # Length 6: sinks 0, 1; local block 1 = 5, 4 (5 present); witness block 0 = 3, 2
-    # (newest first since issue 14; it was 2, 3).
+    # (newest first).
     res = apply_topology_kv_policy(_t([[5, -1, -1, -1, -1, -1, -1, -1]]), _t([6]), config=cfg)
     assert res.indices.tolist() == [[5, 0, 1, 4, 3, -1, -1, -1]]  # cap 4 stops before 2
 
@@ -355,11 +354,12 @@ def test_mode_parsing_case_insensitive(name):
 def test_default_sinks_are_four_tokens():
     cfg = TopologyKVPolicyConfig(policy="topology_sparse_merge")
     assert cfg.sink_tokens == 4 and cfg.sink_blocks == 1  # sink_blocks only counts with sink_tokens=None
-    # The seed's block sinks stay reachable: rows of length 100, W 8, block 4 -> sinks 0..3.
+    # Whole sink blocks stay reachable (sink_tokens=None): rows of length 100, W 8, block 4
+    # -> sinks 0..3, as with 4 token sinks.
     x = _t([[50, 60, 70, 80, -1, -1, -1, -1]])
-    seed = apply_topology_kv_policy(x, _t([100]), config=_cfg(MERGE)).indices.cpu().tolist()[0]
-    now = apply_topology_kv_policy(x, _t([100]), config=_cfg(MERGE, sink_tokens=4)).indices.cpu().tolist()[0]
-    assert {0, 1, 2, 3} <= set(seed) and {0, 1, 2, 3} <= set(now)
+    blocks = apply_topology_kv_policy(x, _t([100]), config=_cfg(MERGE)).indices.cpu().tolist()[0]
+    tokens = apply_topology_kv_policy(x, _t([100]), config=_cfg(MERGE, sink_tokens=4)).indices.cpu().tolist()[0]
+    assert {0, 1, 2, 3} <= set(blocks) and {0, 1, 2, 3} <= set(tokens)
     two = apply_topology_kv_policy(x, _t([100]), config=_cfg(MERGE, sink_tokens=2)).indices.cpu().tolist()[0]
     assert {0, 1} <= set(two) and not {2, 3} & set(two)
 
@@ -601,7 +601,7 @@ def test_counter_names_cover_the_contract():
     assert timed.schedule_ms is not None and timed.schedule_ms >= 0.0
 
 
-# ---------------------------------------------------------------- contract hardening (issue 12)
+# ---------------------------------------------------------------- the hardened coordinate contract
 
 I32_MAX = 2**31 - 1
 
