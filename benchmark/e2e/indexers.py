@@ -35,10 +35,10 @@ from typing import Dict, Optional
 
 import torch
 
-from benchmark.e2e.layout import BLOCK_SIZE
 from rtp_llm.models_py.modules.hybrid.indexer import Indexer
 from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import fp8_e4m3_round_trip
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
+    DEFAULT_BLOCK_SIZE,
     CoordinateMismatchAction,
     IndexerTopologySettings,
     TopologyKVPolicyConfig,
@@ -176,6 +176,6 @@ def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
         return None
     policy = variant_policy(variant)
     settings = IndexerTopologySettings() if policy is None else IndexerTopologySettings(policy=policy)
-    return TimedIndexer(shape.heads, shape.dim, width, BLOCK_SIZE, layer_idx=layer, fp8_emulation=False,
+    return TimedIndexer(shape.heads, shape.dim, width, DEFAULT_BLOCK_SIZE, layer_idx=layer, fp8_emulation=False,
                         topology=settings, device=device, scan=variant != "topology_only_noscan")
 

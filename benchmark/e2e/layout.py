@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import torch
 
 from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerKeyCache
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import DEFAULT_BLOCK_SIZE
 from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
 
-if TYPE_CHECKING:  # annotations only: indexers.py imports BLOCK_SIZE from here
+if TYPE_CHECKING:  # annotations only
     from benchmark.e2e.indexers import ProxyIndexer, TimedIndexer
 
-BLOCK_SIZE = 64  # the engine's KV page
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # the engine's KV page
 # The pools, the model and every step tensor live on the host: the benchmark is CPU-only.
 DEVICE = torch.device("cpu")
 
