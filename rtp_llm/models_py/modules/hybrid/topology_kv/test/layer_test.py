@@ -1,0 +1,103 @@
+"""The per-layer policy object (``topology_kv.layer``): built once, same rows as the entry.
+
+:class:`TopologyKVLayerPolicy` derives its layout and resolves its backend at build time;
+per call it takes tensors only. Its rows and counters must equal
+:func:`apply_topology_kv_policy` with the same settings on every mode and backend the
+device has, and a call must not rebuild the layout, re-resolve the backend or re-parse
+the config.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rtp_llm.models_py.modules.hybrid.topology_kv import layer as layer_module
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
+    IndexerTopologySettings,
+    TopologyKVBackend,
+    TopologyKVPolicyConfig,
+    TopologyKVPolicyMode,
+    WitnessSignal,
+)
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import layout as layout_module
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import can_use_backend
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout
+from rtp_llm.models_py.modules.hybrid.topology_kv.layer import TopologyKVLayerPolicy
+from rtp_llm.models_py.modules.hybrid.topology_kv.policy import apply_topology_kv_policy
+from tools.device_under_test import DEVICE
+
+ENABLED = [m for m in TopologyKVPolicyMode if m is not TopologyKVPolicyMode.DISABLED]
+# Backends that run here without compiling a graph (compiled is covered by backends_test).
+BACKENDS = [b for b in (TopologyKVBackend.TORCH, TopologyKVBackend.CPU_FUSED, TopologyKVBackend.TRITON)
+            if can_use_backend(b, DEVICE)]
+
+
+def _settings(mode, backend=TopologyKVBackend.TORCH, **kw):
+    return IndexerTopologySettings(policy=TopologyKVPolicyConfig(policy=mode, backend=backend, block_size=8, **kw))
+
+
+def test_build_derives_layout_backend_and_drift_once():
+    layer = TopologyKVLayerPolicy.build(_settings(TopologyKVPolicyMode.TOPOLOGY_SPARSE_MERGE), layer_idx=3,
+                                        width=64, device=DEVICE)
+    assert layer.backend is TopologyKVBackend.TORCH and layer.reads_drift and layer.enabled
+    assert layer.layout == PolicyLayout.from_config(layer.settings.policy)
+    assert (layer.layout.sink_slots, layer.layout.partial_sink, layer.layout.compress_start) == (4, True, 8)
+    only = TopologyKVLayerPolicy.build(_settings(TopologyKVPolicyMode.TOPOLOGY_ONLY), layer_idx=0, width=64)
+    assert not only.reads_drift and only.backend is None  # no device given: resolved at the first call
+    assert only.settings.resolved_witness_signal is WitnessSignal.RECENCY
+    off = TopologyKVLayerPolicy.build(IndexerTopologySettings(), layer_idx=0, width=64, device=DEVICE)
+    x = torch.zeros(2, 64, dtype=torch.int32, device=DEVICE)
+    assert not off.enabled and off.layout is None and off.run(x, torch.ones(2, dtype=torch.int32)).indices is x
+
+
+def test_build_rejects_a_merge_mode_that_cannot_inject():
+    with pytest.raises(ValueError, match=r"max_structural_fraction .*expected >= 1 / index_topk \(1/2\)"):
+        TopologyKVLayerPolicy.build(_settings(TopologyKVPolicyMode.TOPOLOGY_SPARSE_MERGE), layer_idx=0, width=2)
+    with pytest.raises(TypeError, match="topology: expected IndexerTopologySettings"):
+        TopologyKVLayerPolicy.build(TopologyKVPolicyConfig(), layer_idx=0, width=8)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    mode=st.sampled_from(ENABLED),
+    backend=st.sampled_from(BACKENDS),
+    lengths=st.lists(st.integers(1, 200), min_size=1, max_size=4),
+    width=st.integers(1, 40),
+    use_drift=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_layer_rows_and_counters_equal_the_public_entry(mode, backend, lengths, width, use_drift, seed):
+    gen = torch.Generator().manual_seed(seed)
+    R = len(lengths)
+    rows = torch.full((R, width), -1, dtype=torch.int32)
+    for r, length in enumerate(lengths):
+        keep = torch.randperm(length, generator=gen)[: min(width, length)]
+        rows[r, : keep.numel()] = keep.to(torch.int32)
+    rows, L = rows.to(DEVICE), torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    drift = torch.rand(1, -(-max(lengths) // 8), generator=gen).to(DEVICE) if use_drift else None
+    r2r = torch.zeros(R, dtype=torch.int64, device=DEVICE)
+    settings_ = _settings(mode, backend, max_structural_fraction=1.0)
+    layer = TopologyKVLayerPolicy.build(settings_, layer_idx=0, width=width, device=DEVICE)
+    got = layer.run(rows, L, None, drift, r2r)
+    want = apply_topology_kv_policy(rows, L, config=settings_.policy, block_drift_scores=drift, row_to_request=r2r)
+    assert torch.equal(got.indices, want.indices)
+    assert got.counters.to_dict() == want.counters.to_dict()
+
+
+def test_a_call_does_not_rebuild_what_the_layer_holds():
+    layer = TopologyKVLayerPolicy.build(_settings(TopologyKVPolicyMode.TOPOLOGY_SPARSE_MERGE), layer_idx=0,
+                                        width=16, device=DEVICE)
+    rows = torch.arange(16, dtype=torch.int32, device=DEVICE).unsqueeze(0)
+    L = torch.tensor([100], dtype=torch.int32, device=DEVICE)
+    want = layer.run(rows, L).indices
+    fail = {"side_effect": AssertionError("per-call work")}
+    with mock.patch.object(layer_module, "resolve_backend", **fail), \
+            mock.patch.object(layout_module, "_layout_of", **fail), \
+            mock.patch.object(TopologyKVPolicyConfig, "__post_init__", **fail), \
+            mock.patch.object(PolicyLayout, "__post_init__", **fail):
+        assert torch.equal(layer.run(rows, L).indices, want)
