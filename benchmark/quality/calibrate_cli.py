@@ -35,6 +35,7 @@ from benchmark.quality.cli import _int_list, limit_heap_fragmentation, parse_bud
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.paths import default_data_dir, user_path
 from benchmark.quality.text import NOVELS, ensure_austen_text, load_text_file, sample_windows
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import SERVED_WITNESS_SIGNALS, WitnessSignal
 
 DEFAULT_CONTEXTS = (2048,)
 DEFAULT_BUDGETS = "1/16,1/8,1/4"
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "sinks, local, witnesses) or e.g. 'sinks,local,sinks+local+witnesses'")
     p.add_argument("--sink-options", default=",".join(map(str, DEFAULT_SINK_OPTIONS)),
                    help="topology_only: sink-token counts to try per layer (default %(default)s; 4 = locality)")
-    p.add_argument("--witness-signal", default="default", choices=("default", "key_drift", "recency"),
+    served = tuple(sig.value for sig in SERVED_WITNESS_SIGNALS if sig is not WitnessSignal.AUTO)
+    p.add_argument("--witness-signal", default="default", choices=("default",) + served,
                    help="witness ranking, as serving computes it (default: serving's auto, key drift for "
                         "topology_sparse_merge, recency for topology_only); recorded in the profile, and serving "
                         "must resolve to the same")
