@@ -37,13 +37,12 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLa
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import (  # noqa: F401 (re-exported)
     resolve_backend,
     run_policy_core,
-    topology_only_counters,
-    topology_only_learned_kept,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.torch_core import (  # noqa: F401 (re-exported)
     COUNTER_NAMES,
     topology_kv_policy_core,
+    topology_only_learned_kept,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.row_contract import VIOLATIONS, row_violations
 from rtp_llm.models_py.modules.hybrid.topology_kv.request import (  # noqa: F401 (re-exported)
@@ -70,7 +69,7 @@ class TopologyKVCounters:
 
     tensors: Dict[str, torch.Tensor]
     compression_hits: int = 0
-    lazy: Optional[Callable[[], Dict[str, torch.Tensor]]] = None  # computes missing counters
+    lazy: Optional[Callable[[], Dict[str, torch.Tensor]]] = None  # per-name views of a counter buffer
 
     def _tensors(self) -> Dict[str, torch.Tensor]:
         if self.lazy is not None:

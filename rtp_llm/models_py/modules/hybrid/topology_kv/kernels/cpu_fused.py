@@ -29,7 +29,7 @@ build is remembered and reported when the kernel is called anyway.
 Nothing is read on the host: the wrapper only checks metadata (shapes, dtypes, devices).
 ``out`` may be ``topk_indices`` itself (each row is read before it is written), but must not
 otherwise overlap the inputs. ``TOPOLOGY_ONLY``'s learned kept / evicted / structural
-injected counters (lazy in ``apply_topology_kv_policy``) are computed directly.
+injected counters are counted in the row pass, as the core counts them.
 """
 
 from __future__ import annotations

@@ -48,10 +48,6 @@ def _triton_module():
     return topology_kv_policy_triton
 
 
-# Counters the torch core leaves to be computed lazily for TOPOLOGY_ONLY (off its hot path).
-LAZY_ONLY_COUNTERS = ("learned_kept_tokens", "learned_evicted_tokens", "structural_injected_tokens")
-
-
 def _why_not(backend: TopologyKVBackend, device: torch.device) -> Optional[str]:
     """None when ``backend`` can run on ``device``, else the reason (for the error)."""
     if backend is TopologyKVBackend.TORCH:
@@ -132,10 +128,10 @@ def run_policy_core(
     """Run the core on a resolved ``backend`` (see :func:`resolve_backend`) with ``layout``.
 
     Returns ``(indices, counters, lazy)``: the rows (``out`` when given); counters as 0-dim
-    int64 tensors keyed by :data:`COUNTER_NAMES`, those known now; ``lazy`` (or None)
-    returns the rest when first read (views of the kernel's buffer, or of ``counters_out``,
-    i.e. the caller's running totals, when it is given; ``TOPOLOGY_ONLY``'s
-    :data:`LAZY_ONLY_COUNTERS` on the torch backends, a sort per row, off the hot path).
+    int64 tensors keyed by :data:`COUNTER_NAMES` (the torch backends without
+    ``counters_out``), or empty with ``lazy`` returning views of the buffer that holds them
+    when first read (the fused kernels' own buffer, or ``counters_out``, the caller's
+    running totals, when it is given); ``lazy`` is None when the counters are given.
     """
     if backend in (TopologyKVBackend.TRITON, TopologyKVBackend.CPU_FUSED):
         kernel = (
@@ -148,20 +144,12 @@ def run_policy_core(
         return rows, {}, lambda: buffer_counters(buffer)
     core = compiled_core() if backend is TopologyKVBackend.COMPILED else topology_kv_policy_core
     rows, counters = core(inputs, layout=layout)
-    topk_indices = inputs.topk_indices
-    mismatch_rows = counters.pop("mismatch_rows")
+    counters.pop("mismatch_rows")
     if out is not None:
         out.copy_(rows)
         rows = out
-    only = layout.only
     if counters_out is None:
-        if not only:
-            return rows, counters, None
-        return rows, counters, lambda: topology_only_counters(
-            topk_indices, rows, mismatch_rows, counters["selected_tokens"]
-        )
-    if only:
-        counters.update(topology_only_counters(topk_indices, rows, mismatch_rows, counters["selected_tokens"]))
+        return rows, counters, None
     counters_out.add_(torch.stack([counters[name] for name in COUNTER_NAMES]))
     return rows, {}, lambda: buffer_counters(counters_out)
 
@@ -169,33 +157,3 @@ def run_policy_core(
 def buffer_counters(buffer: torch.Tensor) -> Dict[str, torch.Tensor]:
     """0-dim views of an int64 ``[len(COUNTER_NAMES)]`` buffer, keyed by :data:`COUNTER_NAMES`."""
     return {name: buffer[i] for i, name in enumerate(COUNTER_NAMES)}
-
-
-def topology_only_learned_kept(
-    topk_indices: torch.Tensor, out: torch.Tensor, mismatch_rows: torch.Tensor
-) -> torch.Tensor:
-    """Per row, how many learned entries ``TOPOLOGY_ONLY`` kept (``|learned & out|``).
-
-    Off the hot path (a sort per row): the torch backends compute it only when the
-    counter is read. Broken rows count 0. Returns int64 ``[R]``.
-    """
-    big = torch.iinfo(torch.int64).max
-    srt = torch.sort(torch.where(out >= 0, out.to(torch.int64), big), dim=1).values  # [R, W]
-    x = topk_indices.to(torch.int64)
-    pos = torch.searchsorted(srt, x).clamp(max=srt.shape[1] - 1)
-    hit = (torch.gather(srt, 1, pos) == x) & (x >= 0)
-    return torch.where(mismatch_rows, 0, hit.sum(dim=1))
-
-
-def topology_only_counters(
-    topk_indices: torch.Tensor, out: torch.Tensor, mismatch_rows: torch.Tensor, selected: torch.Tensor
-) -> Dict[str, torch.Tensor]:
-    """``TOPOLOGY_ONLY``'s learned counters from its output; 0-dim int64 tensors keyed by
-    :data:`LAZY_ONLY_COUNTERS` (broken rows count 0)."""
-    kept = topology_only_learned_kept(topk_indices, out, mismatch_rows)
-    learned = torch.where(mismatch_rows, 0, (topk_indices >= 0).sum(dim=1))
-    return {
-        "learned_kept_tokens": kept.sum(),
-        "learned_evicted_tokens": (learned - kept).sum(),
-        "structural_injected_tokens": selected - kept.sum(),
-    }

@@ -37,7 +37,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.schedule import (
     witness_blocks_unchecked,
 )
 
-__all__ = ["COUNTER_NAMES", "topology_kv_policy_core"]
+__all__ = ["COUNTER_NAMES", "topology_kv_policy_core", "topology_only_learned_kept"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -364,22 +364,39 @@ def _topology_only_rows(x, tok_p, valid_p, off, mismatch):
     return out, take.sum(dim=1)
 
 
+def topology_only_learned_kept(
+    topk_indices: torch.Tensor, out: torch.Tensor, mismatch_rows: torch.Tensor
+) -> torch.Tensor:
+    """Per row, how many learned entries ``TOPOLOGY_ONLY`` kept (``|learned & out|``).
+
+    A sort of the output per row (``O(W log W)``); the fused kernels count it in their row
+    pass. Broken rows count 0. Returns int64 ``[R]``.
+    """
+    big = torch.iinfo(torch.int64).max
+    srt = torch.sort(torch.where(out >= 0, out.to(torch.int64), big), dim=1).values  # [R, W]
+    x = topk_indices.to(torch.int64)
+    pos = torch.searchsorted(srt, x).clamp(max=srt.shape[1] - 1)
+    hit = (torch.gather(srt, 1, pos) == x) & (x >= 0)
+    return torch.where(mismatch_rows, 0, hit.sum(dim=1))
+
+
 # ---------------------------------------------------------------------------------------
 # Stage 7: counters.
 # ---------------------------------------------------------------------------------------
 
 
-def _counters(ok, mismatch, lengths64, n_selected, n_learned, n_kept, n_injected, n_compressed, bs, only):
+def _counters(ok, mismatch, lengths64, n_selected, n_learned, n_kept, n_injected, n_compressed, bs):
     """0-dim int64 counters over the processed rows, plus ``mismatch_rows`` ``[R]`` bool."""
 
     def total(per_row: torch.Tensor) -> torch.Tensor:
         return torch.where(ok, per_row.to(torch.int64), 0).sum()
 
-    counters = {"selected_tokens": total(n_selected)}
-    if not only:  # TOPOLOGY_ONLY: apply_topology_kv_policy adds these lazily
-        counters["structural_injected_tokens"] = total(n_injected)
-        counters["learned_kept_tokens"] = total(n_kept)
-        counters["learned_evicted_tokens"] = total(n_learned - n_kept)
+    counters = {
+        "selected_tokens": total(n_selected),
+        "structural_injected_tokens": total(n_injected),
+        "learned_kept_tokens": total(n_kept),
+        "learned_evicted_tokens": total(n_learned - n_kept),
+    }
     counters.update({
         "unselected_tokens": total(lengths64 - n_selected),
         "coordinate_mismatch_fallbacks": mismatch.sum().to(torch.int64),
@@ -491,7 +508,9 @@ def topology_kv_policy_core(
     # 3-6. Merge into the learned rows, or replace them.
     if only:
         out, n_selected = _topology_only_rows(x, tok_p, valid_p, off, mismatch)
-        n_learned = n_kept = n_injected = None  # TOPOLOGY_ONLY counts them lazily (see apply)
+        n_learned = n_valid
+        n_kept = topology_only_learned_kept(x, out, mismatch)
+        n_injected = n_selected - n_kept
     else:
         out, n_learned, n_kept, n_injected = _merge_rows(
             x, valid, n_valid, mismatch, ok, rel, off, lengths64, slots, perm, tok_p, valid_p,
@@ -500,5 +519,5 @@ def topology_kv_policy_core(
         n_selected = n_kept + n_injected
 
     # 7. Counters.
-    counters = _counters(ok, mismatch, lengths64, n_selected, n_learned, n_kept, n_injected, n_compressed, bs, only)
+    counters = _counters(ok, mismatch, lengths64, n_selected, n_learned, n_kept, n_injected, n_compressed, bs)
     return out, counters

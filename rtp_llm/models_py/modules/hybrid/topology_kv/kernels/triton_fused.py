@@ -45,7 +45,7 @@ tokens newest first, so a block the budget cuts keeps its newest tokens):
 * counters: ``tl.atomic_add`` into ``counters`` (8 per row), so a call allocates nothing
   when ``out`` and ``counters`` are given and reads nothing on the host: it can be
   captured in a CUDA graph. ``TOPOLOGY_ONLY``'s learned kept / evicted / injected
-  counters (lazy in :func:`apply_topology_kv_policy`) are computed directly.
+  counters are counted in the row program, as the core counts them.
 
 Constexpr parameters: ``BLOCK_W`` (pow2 >= W), ``BLOCK_S`` (pow2 >= S, the structural
 slots ``S = S_SINK + (LOCAL_BLOCKS + N_WIT) * BS``), ``BLOCK_N`` (pow2 >= drift's N),

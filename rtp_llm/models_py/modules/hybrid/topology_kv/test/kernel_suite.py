@@ -120,13 +120,13 @@ def broken_rows(x, lengths, offsets, drift=None, block_size=1) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.bool)
 
 
-def core_with_lazy(x, lengths, offsets, drift, scores, scaffold, **kw):
-    """The torch core plus ``apply_topology_kv_policy``'s lazy TOPOLOGY_ONLY counters.
+def core_counts(x, lengths, offsets, drift, scores, scaffold, **kw):
+    """The torch core's rows and counters, its TOPOLOGY_ONLY learned counters checked by sets.
 
-    Returns ``(indices, counters list, mismatch [R] cpu)``. The lazy counters count, over
-    the good rows, the learned entries the output kept (``|learned & out|``, by sets here,
-    and equal to the policy's ``topology_only_learned_kept``), the others (evicted) and
-    the selected ones not learned (injected).
+    Returns ``(indices, counters list, mismatch [R] cpu)``. For TOPOLOGY_ONLY the core's
+    learned counters must count, over the good rows, the learned entries the output kept
+    (``|learned & out|``, by sets here), the others (evicted) and the selected ones not
+    learned (injected).
     """
     out, counters = topology_kv_policy_core(PolicyTensors(x, lengths, offsets, drift, scores, scaffold), **kw)
     mismatch = counters["mismatch_rows"]
@@ -138,9 +138,9 @@ def core_with_lazy(x, lengths, offsets, drift, scores, scaffold, **kw):
                 kept += len(mine & {v for v in new if v >= 0})
                 learned += len(mine)
         assert int(topology_only_learned_kept(x, out, mismatch).sum()) == kept
-        counters["learned_kept_tokens"] = kept
-        counters["learned_evicted_tokens"] = learned - kept
-        counters["structural_injected_tokens"] = int(counters["selected_tokens"]) - kept
+        assert int(counters["learned_kept_tokens"]) == kept
+        assert int(counters["learned_evicted_tokens"]) == learned - kept
+        assert int(counters["structural_injected_tokens"]) == int(counters["selected_tokens"]) - kept
     return out, [int(counters[name]) for name in COUNTER_NAMES], mismatch.cpu()
 
 
@@ -156,7 +156,7 @@ def expected(x, lengths, offsets, drift, scores, scaffold, **kw):
     them only in ``coordinate_mismatch_fallbacks``.
     """
     broken = broken_rows(x, lengths, offsets, drift, kw["layout"].block_size)
-    want, counters, mismatch = core_with_lazy(x, lengths, offsets, drift, scores, scaffold, **kw)
+    want, counters, mismatch = core_counts(x, lengths, offsets, drift, scores, scaffold, **kw)
     want = want.cpu()
     assert torch.equal(mismatch, broken), f"core flags {mismatch}, the contract {broken}"
     assert torch.equal(want[broken], x.cpu()[broken]), "the core changed a broken row"
@@ -165,7 +165,7 @@ def expected(x, lengths, offsets, drift, scores, scaffold, **kw):
     keep = (~broken).nonzero().flatten().to(x.device)
     if keep.numel():
         sub = [_rows(t, keep) for t in (x, lengths, offsets, drift, scores, scaffold)]
-        sub_out, good, sub_mismatch = core_with_lazy(*sub, **kw)
+        sub_out, good, sub_mismatch = core_counts(*sub, **kw)
         assert not sub_mismatch.any(), "the core flags a row the hardened contract accepts"
         assert torch.equal(want[keep.cpu()], sub_out.cpu()), "a good row's output depends on the other rows"
     good[FALLBACK] = int(broken.sum())

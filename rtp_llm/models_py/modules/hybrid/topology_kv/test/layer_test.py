@@ -101,3 +101,21 @@ def test_a_call_does_not_rebuild_what_the_layer_holds():
             mock.patch.object(TopologyKVPolicyConfig, "__post_init__", **fail), \
             mock.patch.object(PolicyLayout, "__post_init__", **fail):
         assert torch.equal(layer.run(rows, L).indices, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ENABLED)
+def test_counters_read_after_out_is_reused_are_the_calls_own(mode, backend):
+    # A serving loop reuses out=; the counters of the first call, read after the second
+    # call has overwritten the buffer, must still be the first call's.
+    cfg = TopologyKVPolicyConfig(policy=mode, backend=backend, block_size=4, max_structural_fraction=1.0)
+    L = torch.tensor([40], dtype=torch.int32, device=DEVICE)
+    first = torch.tensor([[10, 11, 39, -1, -1, -1]], dtype=torch.int32, device=DEVICE)
+    second = torch.tensor([[20, 21, 22, 23, 24, 25]], dtype=torch.int32, device=DEVICE)
+    want = apply_topology_kv_policy(first, L, config=cfg).counters.to_dict()
+    buf = torch.empty_like(first)
+    got = apply_topology_kv_policy(first, L, config=cfg, out=buf)
+    apply_topology_kv_policy(second, L, config=cfg, out=buf)
+    first.fill_(-1)  # and the caller reuses its input buffer too
+    assert got.counters.to_dict() == want
+    assert want["learned_kept_tokens"] + want["learned_evicted_tokens"] == 3
