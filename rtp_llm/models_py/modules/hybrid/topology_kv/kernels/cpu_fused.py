@@ -125,18 +125,9 @@ def topology_kv_policy_cpu(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`topology_kv_policy_core` as one fused C++ pass per row (CPU tensors only).
 
-    Parameters
-    ----------
-    inputs, layout : as in :func:`topology_kv_policy_core`
-    out : like ``topk_indices``, or None (allocated). Fully overwritten.
-    counters : int64 ``[len(COUNTER_NAMES)]``, or None (zeros allocated). The call *adds*
-        its counts in :data:`COUNTER_NAMES` order; for ``TOPOLOGY_ONLY`` including the
-        learned kept / evicted / structural injected counts.
-    mismatch_rows : bool ``[R]`` or None; when given, set to the broken-row flags.
-
-    Returns
-    -------
-    ``(out, counters)``: int ``[R, W]`` (``topk_indices``' dtype) and the int64 counters.
+    ``inputs`` and ``layout`` as in :func:`topology_kv_policy_core`; the buffers and the
+    result ``(out, counters)`` as :func:`check_kernel_buffers` documents them. Rows run in
+    parallel (``at::parallel_for``, torch's thread count).
     """
     x = inputs.topk_indices
     if isinstance(x, torch.Tensor) and x.device.type != "cpu":

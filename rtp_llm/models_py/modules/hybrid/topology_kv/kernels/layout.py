@@ -197,7 +197,14 @@ def check_kernel_buffers(
     mismatch_rows: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Metadata checks of a fused kernel's tensors; returns ``(out, counters)``, allocated
-    when None. Errors name the argument, expected and actual; no value is read."""
+    when None. Errors name the argument, expected and actual; no value is read.
+
+    The fused kernels' buffers: ``out`` like ``topk_indices`` (same shape and dtype), or None
+    (allocated), fully overwritten; ``counters`` int64 ``[len(COUNTER_NAMES)]``, or None
+    (zeros allocated), to which the call *adds* its counts in :data:`COUNTER_NAMES` order
+    (for ``TOPOLOGY_ONLY`` the learned kept / evicted / structural injected counts too);
+    ``mismatch_rows`` bool ``[R]`` or None, set to the broken-row flags when given.
+    """
     if not isinstance(layout, PolicyLayout):
         raise TypeError(f"layout: expected PolicyLayout, got {type(layout).__name__}")
     x, lengths, offsets, drift, learned_scores, scaffold_lengths = inputs

@@ -338,18 +338,9 @@ def topology_kv_policy_triton(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`topology_kv_policy_core` as one Triton launch (one program per row).
 
-    Parameters
-    ----------
-    inputs, layout : as in :func:`topology_kv_policy_core`
-    out : int ``[R, W]`` like ``topk_indices``, or None (allocated). Fully overwritten.
-    counters : int64 ``[len(COUNTER_NAMES)]``, or None (zeros allocated). The call *adds*
-        its counts (atomically), in :data:`COUNTER_NAMES` order; for ``TOPOLOGY_ONLY``
-        including the learned kept / evicted / structural injected counts.
-    mismatch_rows : bool ``[R]`` or None; when given, set to the broken-row flags.
-
-    Returns
-    -------
-    ``(out, counters)``. Nothing is read on the host and, with ``out`` and ``counters``
+    ``inputs`` and ``layout`` as in :func:`topology_kv_policy_core`; the buffers and the
+    result ``(out, counters)`` as :func:`check_kernel_buffers` documents them (counters are
+    added atomically). Nothing is read on the host and, with ``out`` and ``counters``
     given, nothing is allocated: the call can be captured in a CUDA graph.
     """
     out, counters, launch = _launch_spec(inputs, layout=layout, out=out, counters=counters,
