@@ -41,6 +41,10 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.profile import TopologyKVProfi
 from rtp_llm.models_py.modules.hybrid.topology_kv.request import ContextArg, TopologyStepPlan
 
 
+# The plan of a call without contexts (no scaffold, no fingerprint): immutable, shared.
+_NO_CONTEXT_PLAN = TopologyStepPlan(scaffold_lengths=None)
+
+
 @dataclasses.dataclass(frozen=True)
 class TopologyKVLayerPolicy:
     """The policy of one layer: settings, layout and backend, fixed at construction.
@@ -138,7 +142,7 @@ class TopologyKVLayerPolicy:
         if W == 0:  # the kernels need a column
             raise ValueError(f"topk_indices: expected W >= 1 columns, got shape {tuple(topk_indices.shape)}")
         if plan is None:
-            plan = TopologyStepPlan.build(
+            plan = _NO_CONTEXT_PLAN if context is None else TopologyStepPlan.build(
                 config, W, context, num_rows=R, row_to_request=row_to_request, device=topk_indices.device
             )
         elif context is not None:

@@ -347,7 +347,8 @@ def run_layout(
     Returns :func:`run_policy_core`'s ``(rows, counters, lazy)``.
     """
     if inputs.drift is not None and row_to_request is not None:
-        inputs = inputs._replace(drift=inputs.drift.index_select(0, row_to_request.to(torch.int64)))  # [R, N]
+        index = row_to_request if row_to_request.dtype == torch.int64 else row_to_request.to(torch.int64)
+        inputs = inputs._replace(drift=inputs.drift.index_select(0, index))  # [B, N] -> [R, N]
     return run_policy_core(backend, inputs, layout=layout, out=out, counters_out=counters_out)
 
 

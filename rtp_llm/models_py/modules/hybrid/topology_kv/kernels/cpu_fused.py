@@ -138,8 +138,12 @@ def topology_kv_policy_cpu(
         return out, counters
     _, lengths, offsets, drift, scores, scaffold = inputs
     compress = layout.compress_mode and scaffold is not None
-    drift = None if drift is None else drift.to(torch.float32)  # as the core (schedule.witness_blocks_unchecked)
-    scores = None if layout.only or scores is None else scores.to(torch.float32)  # as score_sort_keys
+    # Scores are read as fp32, as the core reads them (schedule.witness_blocks_unchecked, score_sort_keys).
+    if drift is not None and drift.dtype != torch.float32:
+        drift = drift.to(torch.float32)
+    scores = None if layout.only else scores
+    if scores is not None and scores.dtype != torch.float32:
+        scores = scores.to(torch.float32)
     _load().run(
         x, out, lengths, offsets, drift, scores, scaffold if compress else None, counters, mismatch_rows,
         layout.only, compress, layout.sink_blocks, layout.local_blocks, layout.witness_count(W),
