@@ -47,7 +47,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from benchmark.quality.index_rows import dense_rows, rows_to_mask
-from benchmark.quality.layer import DEFAULT_QUERY_CHUNK, LayerInputs
+from benchmark.quality.layer import DEFAULT_QUERY_CHUNK, LayerInputs, masked_softmax
+from benchmark.quality.metrics import attention_recall, measured_rows, output_cos_diff
 from benchmark.quality.model import LoadedModel
 from benchmark.quality.policy_selectors import PolicySettings, default_witness_signal, make_policy_selector
 from benchmark.quality.selector_base import SelectorSettings, learned_rows_and_scores
@@ -209,32 +210,27 @@ def candidate_errors(
     """Per candidate: (sum of ``cos_diff``, sum of recall, rows measured) over the layer's measured rows.
 
     rows_by_candidate : name -> int ``[T, W]`` rows (engine convention). Measured rows are
-    those longer than ``width`` at ``t % metric_stride == 0`` (as ``sparse_layer_attention``
+    :func:`~benchmark.quality.metrics.measured_rows` (as ``sparse_layer_attention``
     measures them); their dense logits are computed once per query chunk and shared by
-    every candidate. The definitions are ``sparse_layer_attention``'s.
+    every candidate. The metrics are :mod:`benchmark.quality.metrics`' (the harness's).
     """
     sums = {name: [0.0, 0.0, 0] for name in rows_by_candidate}
     masks = {name: rows_to_mask(rows, layer.key_length) for name, rows in rows_by_candidate.items()}  # [T, L]
     for c0, c1, lc in layer.chunks():
-        t = torch.arange(c0, c1, device=layer.lengths.device)
-        measured = (layer.lengths[c0:c1] > width) & (t % metric_stride == 0)
+        measured = measured_rows(layer.lengths[c0:c1], width, metric_stride, start=c0)
         if not bool(measured.any()):
             continue
         keep = torch.nonzero(measured).squeeze(1)  # harness code: a host sync is fine here
         allowed = layer.allowed_chunk(c0, c1, lc)[keep]  # [Tk, lc]
         q = layer.query[:, c0:c1][:, keep]  # [H, Tk, D]
-        logits = layer.head_dot(q, layer.key[:, :lc]) * layer.scaling  # [H, Tk, lc]
-        if layer.softcap is not None:
-            logits = torch.tanh(logits / layer.softcap) * layer.softcap
-        logits.masked_fill_(~allowed.unsqueeze(0), float("-inf"))
-        p = torch.softmax(logits, dim=-1)  # [H, Tk, lc]
+        logits = layer.query_logits(q, layer.key[:, :lc])  # [H, Tk, lc], kept for every candidate
+        p = masked_softmax(logits, allowed)  # [H, Tk, lc]
         a = layer.weighted_values(p).transpose(0, 1).flatten(1)  # [Tk, H*D] dense output
         for name, mask in masks.items():
             sel = mask[c0:c1, :lc][keep] & allowed  # [Tk, lc]
-            recall = (p * sel.unsqueeze(0)).sum(dim=-1).mean(dim=0)  # [Tk]
-            ps = torch.softmax(logits.masked_fill(~sel.unsqueeze(0), float("-inf")), dim=-1)
-            b = layer.weighted_values(ps).transpose(0, 1).flatten(1)  # [Tk, H*D] sparse output
-            cos_diff = 1.0 - 2.0 * (a * b).sum(-1) / ((a * a).sum(-1) + (b * b).sum(-1)).clamp(min=1e-30)
+            recall = attention_recall(p, sel)  # [Tk]
+            b = layer.weighted_values(masked_softmax(logits, sel)).transpose(0, 1).flatten(1)  # [Tk, H*D] sparse
+            cos_diff = output_cos_diff(a, b)
             s = sums[name]
             s[0] += float(cos_diff.sum())
             s[1] += float(recall.sum())

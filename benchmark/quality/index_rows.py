@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from rtp_llm.models_py.modules.hybrid.topology_kv.row_contract import VIOLATIONS, row_violations
+
 
 def causal_lengths(num_queries: int, key_length: int, device=None) -> torch.Tensor:
     """int64 ``[T]``: query ``t`` of the last ``T`` positions sees ``L - T + t + 1`` keys."""
@@ -76,11 +78,14 @@ def check_engine_rows(
 ) -> None:
     """Raise ``ValueError`` naming the first row that breaks the convention.
 
-    Checks shape ``[T, W]``, integer dtype, long rows ``W`` unique positions in
-    ``[0, len)`` with no ``-1``, and short rows exactly ``0..len-1`` then ``-1``. With
-    ``ascending_short_rows=False`` a short row may hold ``0..len-1`` in any order (still
-    as a prefix before the ``-1`` tail): the policy's output contract (docs/architecture.md),
-    which attention treats identically. Reads values (host sync): tests and harness only.
+    Checks shape ``[T, W]``, integer dtype, then per row the policy's contract rules
+    (:func:`~rtp_llm.models_py.modules.hybrid.topology_kv.row_contract.row_violations`:
+    entries inside ``[0, len)``, valid entries before the padding, no entry twice) and
+    what the engine's convention adds to them: padding is exactly ``-1`` and a row holds
+    ``min(len, W)`` valid entries, so a long row has ``W`` unique causal positions and a
+    short row exactly ``0..len-1``, ascending unless ``ascending_short_rows=False`` (any
+    order of that prefix: the policy's output contract, docs/architecture.md, which
+    attention treats identically). Reads values (host sync): tests and harness only.
     """
     T = lengths.shape[0]
     if rows.dtype not in (torch.int32, torch.int64):
@@ -92,15 +97,12 @@ def check_engine_rows(
     r = rows  # int32 stays int32: no [T, W] int64 copy (comparisons promote per element)
     lengths = lengths.to(torch.int64)
     short = lengths <= width
+    # The contract's rules; a drift table as long as the longest row makes the duplicate
+    # rule the O(W) bitmap (exact for every row inside its interval) and its own rule moot.
+    flags = row_violations(r, lengths, None, drift_blocks=int(lengths.max()), block_size=1)
     valid = r >= 0
-    n_valid = valid.sum(dim=1)  # [T]
-    # Every entry is -1 or causal; valid entries form a prefix; no value repeats; and a row
-    # holds min(len, W) of them. For a short row that is exactly the set {0..len-1}.
-    causal = valid & (r < lengths.unsqueeze(1))  # [T, W]
-    in_range = torch.where(valid, causal, r == -1).all(dim=1)
-    prefix = (valid == (torch.arange(width, device=r.device).unsqueeze(0) < n_valid.unsqueeze(1))).all(dim=1)
-    ok = in_range & prefix & _no_repeats(torch.where(causal, r, -1), int(lengths.max())) & (
-        n_valid == torch.clamp(lengths, max=width))
+    ok = ~torch.stack([flags[v] for v in VIOLATIONS if v in flags]).any(dim=0)  # [T]
+    ok &= (valid | (r == -1)).all(dim=1) & (valid.sum(dim=1) == torch.clamp(lengths, max=width))
     if ascending_short_rows:
         ok &= ~short | (r == dense_rows(lengths, width)).all(dim=1)
     bad = ~ok
@@ -112,29 +114,3 @@ def check_engine_rows(
             kind = "long rows need W unique causal positions"
         raise ValueError(f"{name}: row {t} (length {int(lengths[t])}, W {width}) breaks the convention ({kind}): "
                          f"{r[t, :16].tolist()}{' ...' if width > 16 else ''}")
-
-
-# Bytes of the count table of one block of _no_repeats (4 blocks at 8k rows x 8k keys, int16).
-_REPEAT_CHECK_BYTES = 32 << 20
-
-
-def _no_repeats(rows: torch.Tensor, key_length: int) -> torch.Tensor:
-    """bool ``[T]``: no non-negative value occurs twice in the row.
-
-    rows : int ``[T, W]``, entries ``-1`` or in ``[0, key_length)``. Counts each row's
-    values into a table (``scatter_add_``; int16, which no count of ``W < 32767`` entries
-    overflows), a block of rows at a time; ``-1`` counts into a dump column that is not
-    looked at. About 4x cheaper than summing the boolean ``[T, L]`` mask (which ``sum``
-    widens to int64) at 8k, in a few large ops rather than many small ones.
-    """
-    T, W = rows.shape
-    dtype = torch.int16 if W < torch.iinfo(torch.int16).max else torch.int32
-    block = max(1, _REPEAT_CHECK_BYTES // ((key_length + 1) * dtype.itemsize))
-    out = torch.empty(T, dtype=torch.bool, device=rows.device)
-    for r0 in range(0, T, block):
-        r = rows[r0:r0 + block]
-        target = torch.where(r >= 0, r.to(torch.int64), key_length)  # [Tb, W]
-        counts = torch.zeros(r.shape[0], key_length + 1, dtype=dtype, device=rows.device)
-        counts.scatter_add_(1, target, torch.ones(1, dtype=dtype, device=rows.device).expand_as(target))
-        out[r0:r0 + block] = counts[:, :key_length].amax(dim=1) <= 1
-    return out

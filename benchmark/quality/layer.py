@@ -3,6 +3,11 @@
 Everything is computed in query chunks of ``query_chunk`` rows, each against only the
 keys its causal range can reach (``lc = L - T + c1``), so that the ``[H, Tc, lc]`` score
 block stays small: 9 heads x 256 queries x 8192 keys x 4 B = 75 MB at 8k context.
+
+The attention maths is written once: logits (scale, then soft-capping) in
+:meth:`LayerInputs.query_logits` / :meth:`LayerInputs.query_logits_into`, the softmax over
+the keys a mask allows in :func:`masked_softmax`. The harness's sparse layers and metrics,
+the calibration and the tests' fp64 reference (``attention_reference``) all use them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 
 from benchmark.quality.index_rows import causal_lengths
+from benchmark.quality.metrics import soft_cap, soft_cap_
 
 DEFAULT_QUERY_CHUNK = 256
 
@@ -119,6 +125,20 @@ class LayerInputs:
         s = torch.matmul(q, key.unsqueeze(1).transpose(-1, -2))  # [Hkv, g, Tc, lc]
         return s.reshape(H, Tc, key.shape[1])
 
+    def query_logits(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """Scaled (and soft-capped) logits, unmasked: query ``[H, R, D]`` x key ``[Hkv, lc, D]`` -> ``[H, R, lc]``."""
+        s = self.head_dot(query, key) * self.scaling
+        return s if self.softcap is None else soft_cap(s, self.softcap)
+
+    def query_logits_into(self, query: torch.Tensor, lc: int, name: str) -> torch.Tensor:
+        """:meth:`query_logits` against the first ``lc`` keys, in the scratch buffer ``name``.
+
+        :meth:`head_dot_into` on :attr:`expanded_key_t`, then the same scale and soft-cap
+        ops in place: fp32 ``[H, R, lc]``, bit for bit :meth:`query_logits`.
+        """
+        s = self.head_dot_into(query, self.expanded_key_t, lc, name).mul_(self.scaling)
+        return s if self.softcap is None else soft_cap_(s, self.softcap)
+
     def head_dot_into(self, query: torch.Tensor, key_t: torch.Tensor, lc: int, name: str) -> torch.Tensor:
         """:meth:`head_dot` into the scratch buffer ``name``: fp32 ``[H, Tc, lc]``, bit for bit equal.
 
@@ -157,21 +177,14 @@ class LayerInputs:
         each in place, with the causal mask applied to the ``[Tc, Tc]`` corner only when the
         model built no mask of its own.
         """
-        s = self.head_dot_into(self.query[:, c0:c1], self.expanded_key_t, lc, name).mul_(self.scaling)
-        if self.softcap is not None:
-            s.div_(self.softcap).tanh_().mul_(self.softcap)
+        s = self.query_logits_into(self.query[:, c0:c1], lc, name)
         if self.allowed is None:
-            self.causal_fill_(s, c0, c1, lc, float("-inf"))
-        else:
-            s.masked_fill_(~self.allowed_chunk(c0, c1, lc).unsqueeze(0), float("-inf"))
-        return torch.ops.aten._softmax.out(s, -1, False, out=s)  # in place: the same kernel as torch.softmax
+            return softmax_(self.causal_fill_(s, c0, c1, lc, float("-inf")))
+        return masked_softmax(s, self.allowed_chunk(c0, c1, lc), in_place=True)
 
     def logits(self, c0: int, c1: int, lc: int) -> torch.Tensor:
         """fp32 ``[H, Tc, lc]`` scaled (and soft-capped) attention logits, unmasked."""
-        s = self.head_dot(self.query[:, c0:c1], self.key[:, :lc]) * self.scaling
-        if self.softcap is not None:
-            s = torch.tanh(s / self.softcap) * self.softcap
-        return s
+        return self.query_logits(self.query[:, c0:c1], self.key[:, :lc])
 
     def allowed_chunk(self, c0: int, c1: int, lc: int) -> torch.Tensor:
         """bool ``[Tc, lc]``: causal, and the model's own mask when it built one."""
@@ -181,12 +194,16 @@ class LayerInputs:
             return causal
         return causal & self.allowed[c0:c1, :lc]
 
-    def weighted_values(self, probs: torch.Tensor) -> torch.Tensor:
-        """``[H, Tc, lc]`` probabilities x values -> fp32 ``[H, Tc, D]``."""
+    def weighted_values(self, probs: torch.Tensor, value: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[H, Tc, lc]`` probabilities x values -> fp32 ``[H, Tc, D]``.
+
+        value : ``[Hkv, lc, D]`` values the columns stand for; None = the first ``lc`` values.
+        """
         H, Tc, lc = probs.shape
-        Hkv = self.value.shape[0]
+        v = self.value[:, :lc] if value is None else value
+        Hkv = v.shape[0]
         p = probs.reshape(Hkv, H // Hkv, Tc, lc)
-        out = torch.matmul(p, self.value[:, :lc].unsqueeze(1))  # [Hkv, g, Tc, D]
+        out = torch.matmul(p, v.unsqueeze(1))  # [Hkv, g, Tc, D]
         return out.reshape(H, Tc, -1)
 
     def masked_attention(self, c0: int, c1: int, lc: int, mask: torch.Tensor,
@@ -205,9 +222,7 @@ class LayerInputs:
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask[None, None], scale=self.scaling)
             return out[0]
-        s = self.head_dot(q, self.key[:, :lc]) * self.scaling
-        s = torch.tanh(s / self.softcap) * self.softcap
-        return self.weighted_values(torch.softmax(s.masked_fill(~mask.unsqueeze(0), float("-inf")), dim=-1))
+        return self.weighted_values(masked_softmax(self.query_logits(q, self.key[:, :lc]), mask))
 
     def column_attention(self, c0: int, c1: int, cols: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention of query rows ``[c0, c1)`` over the key columns ``cols`` only: fp32 ``[H, Tc, D]``.
@@ -224,19 +239,30 @@ class LayerInputs:
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask[None, None], scale=self.scaling)
             return out[0]
-        s = self.head_dot(q, self.key.index_select(1, cols)) * self.scaling
-        s = torch.tanh(s / self.softcap) * self.softcap
-        p = torch.softmax(s.masked_fill(~mask.unsqueeze(0), float("-inf")), dim=-1)  # [H, Tc, U]
-        H, Tc, U = p.shape
-        Hkv = self.value.shape[0]
-        out = torch.matmul(p.reshape(Hkv, H // Hkv, Tc, U), self.value.index_select(1, cols).unsqueeze(1))
-        return out.reshape(H, Tc, -1)
+        p = masked_softmax(self.query_logits(q, self.key.index_select(1, cols)), mask)  # [H, Tc, U]
+        return self.weighted_values(p, self.value.index_select(1, cols))
 
     def dense_probabilities(self, c0: int, c1: int, lc: int) -> torch.Tensor:
         """fp32 ``[H, Tc, lc]`` dense softmax probabilities (zero outside the allowed mask)."""
-        s = self.logits(c0, c1, lc)
-        s = s.masked_fill(~self.allowed_chunk(c0, c1, lc).unsqueeze(0), float("-inf"))
-        return torch.softmax(s, dim=-1)
+        return masked_softmax(self.logits(c0, c1, lc), self.allowed_chunk(c0, c1, lc))
+
+
+def softmax_(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim in place: ``torch.softmax``'s kernel, writing into ``scores``."""
+    return torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+
+
+def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """Softmax over the keys ``allowed`` permits: ``-inf`` elsewhere, so they weigh exactly 0.
+
+    scores : ``[..., R, L]`` logits; allowed : bool ``[R, L]`` (the same for every leading
+    index, e.g. every head), at least one ``True`` per row. ``in_place``: mask and softmax
+    in ``scores``' own storage (:func:`softmax_`); otherwise ``scores`` is left as it was.
+    Either way the same values, bit for bit.
+    """
+    if in_place:
+        return softmax_(scores.masked_fill_(~allowed, float("-inf")))
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
 def expand_transpose_keys(key: torch.Tensor, groups: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from benchmark.quality.errors import UsageError
+from benchmark.quality.metrics import soft_cap
 from benchmark.quality.text import TextWindow
 
 DEFAULT_DISTANCES = (Fraction(1, 8), Fraction(1, 2), Fraction(7, 8))
@@ -109,7 +110,7 @@ def probe_scores(hidden: torch.Tensor, lm_head: torch.nn.Module, probe: ProbeWin
         targets = torch.tensor(seg[1:], dtype=torch.int64, device=hidden.device)
         logits = lm_head(rows).to(torch.float32)
         if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
+            logits = soft_cap(logits, softcap)
         nll = -torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
         correct = int((logits.argmax(dim=-1) == targets).sum())
         out.append((float(nll.to(torch.float64).sum()), correct, int(targets.numel())))

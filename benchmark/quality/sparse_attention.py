@@ -33,8 +33,16 @@ from typing import Callable, Dict, FrozenSet, Optional
 import torch
 
 from benchmark.quality.index_rows import check_engine_rows, rows_to_mask
-from benchmark.quality.layer import DEFAULT_QUERY_CHUNK, LayerInputs
-from benchmark.quality.metrics import LayerMetrics
+from benchmark.quality.layer import DEFAULT_QUERY_CHUNK, LayerInputs, masked_softmax
+from benchmark.quality.metrics import (
+    LayerMetrics,
+    attention_recall,
+    measured_rows,
+    output_cos_diff,
+    sink_retention,
+    soft_cap,
+    top1_hit,
+)
 
 ATTENTION_NAME = "topology_kv_quality"
 # A chunk whose rows together select fewer than 1/COMPACT_BELOW of its reachable keys runs
@@ -202,8 +210,7 @@ def _layer_metrics(layer: LayerInputs, out: torch.Tensor, sel: torch.Tensor, wid
     ``query_chunk`` rows, each against the keys its last row can reach.
     """
     T, L = layer.num_queries, layer.key_length
-    t = torch.arange(T, device=sel.device)
-    measured = (layer.lengths > width) & (t % metric_stride == 0)  # [T]
+    measured = measured_rows(layer.lengths, width, metric_stride)  # [T]
     keep_all = torch.nonzero(measured).squeeze(1)  # [M] harness code: a host sync is fine here
     for b0 in range(0, keep_all.numel(), layer.query_chunk):
         keep = keep_all[b0:b0 + layer.query_chunk]  # [Tk]
@@ -218,18 +225,12 @@ def _layer_metrics(layer: LayerInputs, out: torch.Tensor, sel: torch.Tensor, wid
         # and the dense output p @ v for the cosine difference against the sparse output.
         # Keys and values repeated per head once per layer (expanded_key_t, expanded_value):
         # one bmm each, not a matmul that copies the broadcast keys/values of every block.
-        p = layer.head_dot_into(q, layer.expanded_key_t, lc, "metric_logits").mul_(layer.scaling)  # [H, Tk, lc]
-        if layer.softcap is not None:
-            p.div_(layer.softcap).tanh_().mul_(layer.softcap)
-        p.masked_fill_(~allowed_k.unsqueeze(0), float("-inf"))
-        p = torch.ops.aten._softmax.out(p, -1, False, out=p)  # in place: torch.softmax's kernel
-        recall = (p * sel_k.unsqueeze(0)).sum(dim=-1).mean(dim=0)  # [Tk]
-        top1 = torch.gather(sel_k, 1, p.argmax(dim=-1).transpose(0, 1)).to(torch.float32).mean(dim=1)
-        sink = sel_k[:, :sink_tokens].to(torch.float32).mean(dim=1)
+        logits = layer.query_logits_into(q, lc, "metric_logits")  # [H, Tk, lc]
+        p = masked_softmax(logits, allowed_k, in_place=True)
         a = torch.bmm(p, layer.expanded_value[:, :lc]).transpose(0, 1).flatten(1)  # [H, Tk, D] -> [Tk, H*D]
         b = out.index_select(1, keep).transpose(0, 1).flatten(1)
-        cos_diff = 1.0 - 2.0 * (a * b).sum(-1) / ((a * a).sum(-1) + (b * b).sum(-1)).clamp(min=1e-30)
-        metrics.add(layer.layer_idx, recall=recall, cos_diff=cos_diff, top1=top1, sink=sink)
+        metrics.add(layer.layer_idx, recall=attention_recall(p, sel_k), cos_diff=output_cos_diff(a, b),
+                    top1=top1_hit(p, sel_k), sink=sink_retention(sel_k, sink_tokens))
 
 
 def gather_sparse_attention(layer: LayerInputs, rows: torch.Tensor) -> torch.Tensor:
@@ -254,8 +255,8 @@ def gather_sparse_attention(layer: LayerInputs, rows: torch.Tensor) -> torch.Ten
         v = v_all[:, idx]
         s = torch.einsum("htd,htwd->htw", layer.query[:, c0:c1], k) * layer.scaling
         if layer.softcap is not None:
-            s = torch.tanh(s / layer.softcap) * layer.softcap
-        p = torch.softmax(s.masked_fill(~valid.unsqueeze(0), float("-inf")), dim=-1)
+            s = soft_cap(s, layer.softcap)
+        p = masked_softmax(s, valid)
         out[:, c0:c1] = torch.einsum("htw,htwd->htd", p, v)
     return out
 

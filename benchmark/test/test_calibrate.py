@@ -90,7 +90,7 @@ def test_unmeasured_budget_keeps_the_learned_rows():
 
 
 @pytest.mark.parametrize("text", ["sinks,bogus", "", "sinks+"])
-def test_bad_components(text):
+def test_bad_component_sets_are_rejected_naming_the_flag(text):
     with pytest.raises(ValueError, match="--components"):
         parse_components(text)
 

@@ -8,6 +8,7 @@ file runs in about 30 s on 2 cores without the Austen package or network.
 from __future__ import annotations
 
 import dataclasses
+import math
 from fractions import Fraction
 
 import pytest
@@ -16,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmark.quality import cli
+from benchmark.quality.attention_reference import reference_layer_attention, reference_recall
 from benchmark.quality.gate import GateThresholds, evaluate_gate
 from benchmark.quality.index_rows import check_engine_rows, dense_rows, rows_from_scores, rows_to_mask
-from benchmark.quality.layer import LayerInputs
 from benchmark.quality.metrics import LayerMetrics, perplexity, token_nll
 from benchmark.quality.model import full_attention_layers, load_gguf_model
 from benchmark.quality.policy_selectors import PolicySettings
@@ -97,16 +98,6 @@ def _reference_check_rows(rows: torch.Tensor, lengths: torch.Tensor, width: int,
         else:
             assert len(set(row)) == width, f"row {t}: duplicates"
             assert all(0 <= i < length for i in row), f"row {t}: outside [0, {length})"
-
-
-def _reference_recall(layer: LayerInputs, rows: torch.Tensor, width: int) -> torch.Tensor:
-    """fp64 ``[rows longer than W]``: head-averaged dense attention mass on the selected keys."""
-    q, k = layer.query.double(), layer.key.double().repeat_interleave(layer.groups, dim=0)
-    s = q @ k.transpose(1, 2) * layer.scaling  # [H, T, L]
-    causal = torch.arange(layer.key_length)[None, :] < layer.lengths[:, None]
-    p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).mean(0)  # [T, L]
-    mass = (p * rows_to_mask(rows, layer.key_length)).sum(-1)
-    return mass[layer.lengths > width]
 
 
 # ----------------------------------------------------------------------------- the hook
@@ -209,29 +200,6 @@ def test_other_model_layouts(family, config, reference_impl, full_layers):
         assert (ours(input_ids=ids, **{PLAN_KWARG: plan}).logits - expected).abs().max() > 1e-3
 
 
-def _reference_sparse_attention(layer: LayerInputs, rows: torch.Tensor, width: int, sink_tokens: int):
-    """Plain fp64 version of ``sparse_layer_attention``: full softmaxes, no chunks, no SDPA."""
-    q, k = layer.query.double(), layer.key.double().repeat_interleave(layer.groups, dim=0)
-    v = layer.value.double().repeat_interleave(layer.groups, dim=0)
-    s = q @ k.transpose(1, 2) * layer.scaling  # [H, T, L]
-    if layer.softcap is not None:
-        s = torch.tanh(s / layer.softcap) * layer.softcap
-    causal = torch.arange(layer.key_length)[None, :] < layer.lengths[:, None]  # [T, L]
-    sel = rows_to_mask(rows, layer.key_length) & causal
-    p_dense = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
-    p_sparse = torch.softmax(s.masked_fill(~sel, float("-inf")), dim=-1)
-    out_dense, out_sparse = p_dense @ v, p_sparse @ v  # [H, T, D]
-    long_rows = layer.lengths > width
-    a, b = out_dense.transpose(0, 1).flatten(1)[long_rows], out_sparse.transpose(0, 1).flatten(1)[long_rows]
-    metrics = {
-        "recall": (p_dense.mean(0) * sel).sum(-1)[long_rows],
-        "cos_diff": 1 - 2 * (a * b).sum(-1) / ((a * a).sum(-1) + (b * b).sum(-1)),
-        "top1": torch.gather(sel, 1, p_dense.argmax(-1).T).double().mean(1)[long_rows],
-        "sink": sel[:, :sink_tokens].double().mean(1)[long_rows],
-    }
-    return out_sparse, metrics
-
-
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("selector_name, width", [("learned", 37), ("random", 100), ("locality", 1)])
 def test_sparse_attention_and_metrics_match_reference(selector_name, width, softcap):
@@ -240,7 +208,7 @@ def test_sparse_attention_and_metrics_match_reference(selector_name, width, soft
     rows = make_selector(selector_name, SelectorSettings())(layer, width, {})
     metrics = LayerMetrics()
     out = sparse_layer_attention(layer, rows, width, metrics, sink_tokens=4)
-    ref_out, ref_metrics = _reference_sparse_attention(layer, rows, width, sink_tokens=4)
+    ref_out, ref_metrics = reference_layer_attention(layer, rows, width, sink_tokens=4)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-4)
     got = {name: torch.cat(chunks).double() for name, chunks in metrics.values[layer.layer_idx].items()}
     for name, expected in ref_metrics.items():
@@ -271,7 +239,7 @@ def test_selectors_follow_engine_convention_on_real_layers(real_layers, width):
 
 
 @pytest.mark.parametrize("name", ["oracle", "learned", "learned-lowrank", "locality", "random"])
-def test_builtin_selectors_on_synthetic_gqa_layer(name):
+def test_builtin_selectors_follow_engine_convention_on_synthetic_gqa_layer(name):
     # 6 query heads on 2 KV heads; 150 queries in chunks of 64 (a partial last chunk).
     layer = synthetic_layer()
     for width in (1, 5, 63, 149, 150):
@@ -283,9 +251,9 @@ def test_builtin_selectors_on_synthetic_gqa_layer(name):
 def test_oracle_recall_dominates_every_selector(real_layers, width):
     oracle = make_selector("oracle", SelectorSettings())
     for layer in real_layers:
-        best = _reference_recall(layer, oracle(layer, width, {}), width)
+        best = reference_recall(layer, oracle(layer, width, {}), width)
         for name in _all_selector_names():
-            other = _reference_recall(layer, make_selector(name, SelectorSettings())(layer, width, {}), width)
+            other = reference_recall(layer, make_selector(name, SelectorSettings())(layer, width, {}), width)
             # Per row the oracle's set has the largest mass; 1e-5 covers fp32 vs fp64 ties.
             assert bool((best >= other - 1e-5).all()), (
                 f"layer {layer.layer_idx} W {width}: {name} beats the oracle by "
@@ -350,22 +318,50 @@ _BAD_ROWS = {
 
 
 @pytest.mark.parametrize("case", sorted(_BAD_ROWS))
-def test_check_engine_rows_catches(case):
+def test_row_check_rejects_a_row_breaking_any_one_rule(case):
     check_engine_rows(torch.tensor(_GOOD_ROWS), _CHECK_LENGTHS, _CHECK_WIDTH)
     with pytest.raises(ValueError, match="breaks the convention"):
         check_engine_rows(torch.tensor(_BAD_ROWS[case]), _CHECK_LENGTHS, _CHECK_WIDTH, ascending_short_rows=False)
 
 
-def test_check_engine_rows_short_row_order():
+def test_row_check_wants_ascending_short_rows_unless_told_any_order():
     unordered = torch.tensor([[2, 1, 0, -1], [4, 0, 2, 1], [7, 6, 5, 0]])
     check_engine_rows(unordered, _CHECK_LENGTHS, _CHECK_WIDTH, ascending_short_rows=False)
     with pytest.raises(ValueError, match="ascending"):
         check_engine_rows(unordered, _CHECK_LENGTHS, _CHECK_WIDTH)
 
 
+def _rejects(check, *args, **kwargs) -> bool:
+    try:
+        check(*args, **kwargs)
+    except (ValueError, AssertionError):
+        return True
+    return False
+
+
+@settings(max_examples=200, deadline=None)
+@given(T=st.integers(1, 12), extra=st.integers(0, 6), width=st.integers(1, 10), seed=st.integers(0, 2**16),
+       edits=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 9), st.integers(-3, 20)), max_size=2),
+       int64=st.booleans())
+def test_row_check_is_the_plain_loop_and_rejects_what_the_policy_contract_rejects(T, extra, width, seed, edits, int64):
+    from rtp_llm.models_py.modules.hybrid.topology_kv.row_contract import row_violations
+
+    L = T + extra
+    lengths = torch.arange(L - T + 1, L + 1)
+    rows = rows_from_scores(torch.randn(T, L, generator=_gen(seed)), lengths, width).to(
+        torch.int64 if int64 else torch.int32)
+    for t, c, value in edits:  # a valid row with up to two entries overwritten
+        rows[t % T, c % width] = value
+    for ascending in (True, False):
+        got = _rejects(check_engine_rows, rows, lengths, width, ascending_short_rows=ascending)
+        assert got == _rejects(_reference_check_rows, rows, lengths, width, ascending), (rows.tolist(), ascending)
+        if any(bool(v.any()) for v in row_violations(rows, lengths, None).values()):
+            assert got, rows.tolist()
+
+
 @settings(max_examples=60, deadline=None)
 @given(T=st.integers(1, 40), extra=st.integers(0, 30), width=st.integers(1, 50), seed=st.integers(0, 2**16))
-def test_rows_from_scores_property(T, extra, width, seed):
+def test_rows_from_scores_are_the_top_w_causal_scores_in_the_convention(T, extra, width, seed):
     L = T + extra
     lengths = torch.arange(L - T + 1, L + 1)
     scores = torch.randn(T, L, generator=_gen(seed))
@@ -397,7 +393,7 @@ def test_chunked_perplexity_equals_one_shot(lm, ids):
     assert abs(perplexity(chunked) / perplexity(one_shot) - 1) < 1e-5
 
 
-def test_layer_metrics_summary():
+def test_layer_summary_gives_the_mean_and_5th_percentile_recall():
     m = LayerMetrics()
     m.add(0, recall=torch.linspace(0, 1, 101), cos_diff=torch.zeros(101), top1=torch.ones(101), sink=torch.ones(101))
     s = m.layer_summary()[0]
@@ -405,14 +401,16 @@ def test_layer_metrics_summary():
     assert abs(s["recall_mean"] - 0.5) < 1e-6 and abs(s["recall_p5"] - 0.05) < 1e-6
 
 
-def test_gate_verdicts():
-    dense = {2048: DenseResult(2048, nll_sum=0.0, tokens=1)}
-    b = Fraction(1, 4)
+# One context (2048, dense perplexity 1) and one budget (1/4): a cell is a selector's perplexity.
+_GATE_DENSE = {2048: DenseResult(2048, nll_sum=0.0, tokens=1)}
 
-    def cell(name, ppl):
-        import math
-        return CellResult(2048, b, 512, name, nll_sum=math.log(ppl), tokens=1)
 
+def _gate_cell(name: str, ppl: float) -> CellResult:
+    return CellResult(2048, Fraction(1, 4), 512, name, nll_sum=math.log(ppl), tokens=1)
+
+
+def test_gate_passes_beating_the_null_models_fails_a_regression_and_needs_the_nulls():
+    dense, cell = _GATE_DENSE, _gate_cell
     grid = GridResult(dense, [cell("learned", 1.005), cell("locality", 1.2), cell("random", 1.5),
                               cell("good", 1.006), cell("bad", 1.02)], {})
     verdicts = {v.mode: v for v in evaluate_gate(grid, ["good", "bad"], GateThresholds())}
@@ -425,12 +423,7 @@ def test_gate_verdicts():
 def test_topology_only_must_never_lose_to_locality_and_a_tie_is_not_a_loss():
     """topology_only at the engine defaults *is* locality (recency witnesses), so against
     locality its check is "never worse"; every other mode must be strictly better."""
-    dense = {2048: DenseResult(2048, nll_sum=0.0, tokens=1)}
-    b = Fraction(1, 4)
-
-    def cell(name, ppl):
-        import math
-        return CellResult(2048, b, 512, name, nll_sum=math.log(ppl), tokens=1)
+    dense, cell = _GATE_DENSE, _gate_cell
 
     def locality_check(only_ppl, mode="topology_only"):
         grid = GridResult(dense, [cell("learned", 1.005), cell("locality", 1.2), cell(mode, only_ppl)], {})

@@ -1,4 +1,4 @@
-"""Indexer failure modes, the new policy flags and the raised gate (no model needed:
+"""Indexer failure modes, the policy flags and the raised gate (no model needed:
 synthetic layer inputs and a synthetic grid)."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def test_failure_selectors_build_and_keep_the_convention(name):
     check_engine_rows(rows, layer.lengths, WIDTH, name=name, ascending_short_rows=False)
 
 
-def test_split_selector_name():
+def test_selector_name_splits_into_failure_mode_and_policy():
     assert split_selector_name("learned-nosink+topology_only") == ("nosink", "topology_only")
     assert split_selector_name("learned-stale") == ("stale", None)
     assert split_selector_name("learned") == ("", None)
@@ -92,7 +92,7 @@ def test_split_selector_name():
 
 @pytest.mark.parametrize("mode", ["topology_sparse_merge", "topology_only"])
 @pytest.mark.parametrize("signal", ["key_drift", "value_drift", "query_centroid", "query_mass", "query_bound"])
-def test_policy_selector_with_each_witness_signal(signal, mode):
+def test_policy_selector_keeps_the_convention_with_each_witness_signal(signal, mode):
     policy = PolicySettings(witness_signal=signal, sink_tokens=4, block_size=8, local_blocks=2)
     select = make_selector(mode, SETTINGS, policy)
     layer = synthetic_layer(6)
@@ -114,7 +114,7 @@ def _cell(selector, budget, ppl, recall=None):
     return c
 
 
-def test_raised_gate_hand_computed():
+def test_raised_gate_verdicts_on_a_hand_computed_grid():
     import math
 
     b1, b2 = Fraction(1, 16), Fraction(1, 4)

@@ -1,8 +1,8 @@
 """The quality harness's fast sparse path against plain references (no GGUF model needed).
 
-The fast path (issue 14: scratch buffers, one ``bmm`` per chunk on keys repeated and
-transposed once per layer, in-place scoring, ``-inf`` only in the causal corner, chunked
-selection masks, the cheaper row check) must select *exactly* the rows the plain form
+The fast path (scratch buffers, one ``bmm`` per chunk on keys repeated and transposed
+once per layer, in-place scoring, ``-inf`` only in the causal corner, chunked selection
+masks, the bitmap duplicate check of the row contract) must select *exactly* the rows the plain form
 selects: same ``torch.topk`` call on bit-identical scores, so ties (the proxy's relu zeroes
 many keys) resolve the same way. Attention and perplexity are compared with a plain
 fp64 reference within fp32 tolerance. About 1.5 minutes on 2 shared cores.
@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from benchmark.quality import cli, sparse_attention
+from benchmark.quality.attention_reference import reference_sparse_attention
 from benchmark.quality.errors import UsageError
-from benchmark.quality.index_rows import check_engine_rows, dense_rows, rows_from_scores, rows_to_mask
-from benchmark.quality.layer import LayerInputs
+from benchmark.quality.index_rows import check_engine_rows, dense_rows, rows_from_scores
+from benchmark.quality.layer import LayerInputs, masked_softmax
 from benchmark.quality.metrics import LayerMetrics
 from benchmark.quality.model import LoadedModel, full_attention_layers
 from benchmark.quality.report import markdown_report
@@ -86,21 +87,6 @@ def _reference_oracle(layer: LayerInputs, width: int):
     return _reference_top_rows(layer, width, lambda c0, c1, lc: layer.dense_probabilities(c0, c1, lc).sum(dim=0))[0]
 
 
-def _reference_attention(layer: LayerInputs, rows: torch.Tensor) -> torch.Tensor:
-    """fp64 softmax over each row's selected keys, the whole ``[H, T, L]`` at once: ``[H, T, D]``."""
-    q = layer.query.double()
-    k = layer.key.double().repeat_interleave(layer.groups, dim=0)
-    v = layer.value.double().repeat_interleave(layer.groups, dim=0)
-    s = q @ k.transpose(1, 2) * layer.scaling  # [H, T, L]
-    if layer.softcap is not None:
-        s = torch.tanh(s / layer.softcap) * layer.softcap
-    allowed = torch.arange(layer.key_length)[None, :] < layer.lengths[:, None]  # [T, L]
-    if layer.allowed is not None:
-        allowed &= layer.allowed
-    sel = rows_to_mask(rows, layer.key_length) & allowed
-    return torch.softmax(s.masked_fill(~sel, float("-inf")), dim=-1) @ v
-
-
 # ----------------------------------------------------------------------------- selectors
 
 
@@ -122,7 +108,7 @@ def test_oracle_rows_equal_the_plain_form(T):
 
 
 @pytest.mark.parametrize("case", ["mha", "longer_keys", "softcap", "model_mask", "lowrank"])
-def test_fast_selectors_on_other_layouts(case):
+def test_fast_selectors_equal_the_plain_form_on_other_layouts(case):
     # mha: one query head per KV head (the bmm then sees no repeated keys); longer_keys: the
     # queries are the last 61 of 100 positions; softcap: the oracle's in-place soft-capping;
     # model_mask: a mask of the model's own (the oracle masks all of it, not just the corner);
@@ -187,9 +173,33 @@ def test_sparse_attention_equals_plain_reference(T):
             rows = make_selector(name, SelectorSettings())(layer, width, {})
             stages = {}
             out = sparse_layer_attention(layer, rows, width, LayerMetrics(), sink_tokens=4, stage_seconds=stages)
-            torch.testing.assert_close(out.double(), _reference_attention(layer, rows), **ATTENTION_TOL,
+            torch.testing.assert_close(out.double(), reference_sparse_attention(layer, rows), **ATTENTION_TOL,
                                        msg=f"{name} T {T} W {width}")
             assert set(stages) == {"attention", "metrics"} and min(stages.values()) >= 0
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("model_mask", [False, True])
+def test_in_place_logits_and_softmax_equal_the_plain_ones_bit_for_bit(softcap, model_mask):
+    # The metric pass and the oracle score in scratch buffers, in place (bmm on repeated,
+    # transposed keys; scale, soft-cap, mask and softmax in place); the calibration and the
+    # eager attention paths out of place. Both must give the same bits.
+    layer = dataclasses.replace(_layer(150, seed=13, L=170), softcap=softcap)
+    if model_mask:
+        allowed = torch.arange(170)[None, :] < layer.lengths[:, None]
+        allowed[:, 3:9] = False
+        layer = dataclasses.replace(layer, allowed=allowed)
+    for c0, c1, lc in layer.chunks():
+        q = layer.query[:, c0:c1]
+        plain = layer.query_logits(q, layer.key[:, :lc])
+        fast = layer.query_logits_into(q, lc, "logits")
+        assert torch.equal(fast, plain), (c0, lc)
+        allowed = layer.allowed_chunk(c0, c1, lc)
+        p = masked_softmax(plain, allowed)
+        assert torch.equal(masked_softmax(fast, allowed, in_place=True), p)
+        assert torch.equal(layer.dense_probabilities_into(c0, c1, lc, "probs"), p)
+        assert torch.equal(layer.dense_probabilities(c0, c1, lc), p)
+        assert not bool(p.masked_select(~allowed.expand_as(p)).any()), "masked keys must weigh exactly 0"
 
 
 # ----------------------------------------------------------------------------- the model
@@ -209,7 +219,7 @@ def _tiny_llama() -> LoadedModel:
 
 
 def _reference_plan_attention(layer, rows, width, metrics, sink_tokens, metric_stride=1, stage_seconds=None):
-    return _reference_attention(layer, rows).to(torch.float32)
+    return reference_sparse_attention(layer, rows).to(torch.float32)
 
 
 @pytest.mark.parametrize("T", (27, 61))

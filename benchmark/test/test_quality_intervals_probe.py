@@ -82,7 +82,7 @@ def test_several_windows_are_spread_disjoint_and_deterministic():
     for i, s in enumerate(starts):  # one per stratum
         assert i * slack // 3 <= s - i * 1000 <= (i + 1) * slack // 3
     assert sample_windows(tokens, "x", 1000, 3, seed=8) != ws
-    # One window keeps the original rule (earlier runs reproduce).
+    # One window: its start is random.Random(seed).sample(range(len - context + 1), k=1)[0].
     rng = random.Random(5)
     assert sample_windows(tokens, "x", 1000, 1, seed=5)[0].token_start == rng.sample(range(9001), k=1)[0]
     # A text too short for disjoint windows still gets distinct, sorted starts.
@@ -192,7 +192,7 @@ def test_probe_window_writes_each_segment_twice():
     assert all(ids[p] == base.token_ids[p] for p in untouched)
 
 
-def test_probe_scores_and_summary():
+def test_probe_scores_a_perfect_copier_and_keeps_only_selectors_near_dense():
     # A "model" whose hidden state at position p one-hot encodes the token at p + 1 copies perfectly.
     vocab = 64
     pw = make_probe_window(TextWindow("t", 0, tuple(range(256))), vocabulary=range(vocab),
@@ -248,14 +248,13 @@ def test_column_path_and_full_mask_path_agree(monkeypatch, compact_below, softca
 def test_topology_only_defaults_to_recency_and_selects_locality():
     p = PolicySettings()
     only, merge = p.for_mode("topology_only"), p.for_mode("topology_sparse_merge")
-    # The engine's 64-token blocks: since the engine cuts a block at its newest tokens
-    # (issue 14), the harness no longer switches topology_only to 8-token blocks.
+    # Both modes keep the engine's 64-token blocks (the engine cuts a block at its newest
+    # tokens, so recency witnesses at 64 fill a row with the newest tokens).
     assert (only.witness_signal, only.block_size) == (RECENCY, 64)
     assert (merge.witness_signal, merge.block_size) == ("key_drift", 64)
     explicit = PolicySettings(witness_signal="key_drift").for_mode("topology_only")
     assert (explicit.witness_signal, explicit.block_size) == ("key_drift", 64)
-    # Rows: exactly locality's token sets (this pinned "up to 7 tokens per row differ" at
-    # 8-token blocks before the engine's cut rule changed; now it is equality at 64).
+    # Rows: exactly locality's token sets at 64-token blocks.
     layer = synthetic_layer(seed=3, T=600, H=6, Hkv=2, D=16, query_chunk=128)
     for width in (37, 64, 150):
         a = rows_to_mask(make_selector("topology_only", SelectorSettings(), p)(layer, width, {}), 600)
