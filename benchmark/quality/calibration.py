@@ -50,10 +50,11 @@ from benchmark.quality.index_rows import dense_rows, rows_to_mask
 from benchmark.quality.layer import DEFAULT_QUERY_CHUNK, LayerInputs, masked_softmax
 from benchmark.quality.metrics import attention_recall, measured_rows, output_cos_diff
 from benchmark.quality.model import LoadedModel
-from benchmark.quality.policy_selectors import PolicySettings, default_witness_signal, make_policy_selector
+from benchmark.quality.policy_selectors import PolicySettings, make_policy_selector
 from benchmark.quality.selector_base import SelectorSettings, learned_rows_and_scores
 from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan
 from benchmark.quality.text import TextWindow
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import TopologyKVPolicyConfig, WitnessSignal
 from rtp_llm.models_py.modules.hybrid.topology_kv.profile import (
     PROFILE_FORMAT,
     PROFILE_VERSION,
@@ -128,9 +129,12 @@ def parse_components(text: str) -> Tuple[frozenset, ...]:
     return tuple(dict.fromkeys(out))
 
 
+_ENGINE = TopologyKVPolicyConfig()  # the engine's defaults, the components' sizes
+
+
 @dataclasses.dataclass(frozen=True)
 class CalibrationSettings:
-    """What to try. Component sizes are the engine's defaults (4 sink tokens, 2 + 2 blocks).
+    """What to try. Component sizes default to the engine's (``TopologyKVPolicyConfig``'s).
 
     policy : ``topology_sparse_merge`` (shares x component sets) or ``topology_only``
         (``sink_options``; baseline ``sink_tokens``, i.e. locality)
@@ -142,10 +146,10 @@ class CalibrationSettings:
     budgets: Tuple[Fraction, ...]
     shares: Tuple[Fraction, ...] = DEFAULT_SHARES
     component_sets: Tuple[frozenset, ...] = DEFAULT_COMPONENT_SETS
-    block_size: int = 64
-    sink_tokens: int = 4
-    local_blocks: int = 2
-    witness_blocks: int = 2
+    block_size: int = _ENGINE.block_size
+    sink_tokens: int = _ENGINE.sink_tokens
+    local_blocks: int = _ENGINE.local_blocks
+    witness_blocks: int = _ENGINE.witness_blocks
     margin: float = DEFAULT_MARGIN
     metric_stride: int = 4
     query_chunk: int = DEFAULT_QUERY_CHUNK
@@ -157,7 +161,11 @@ class CalibrationSettings:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: expected one of {list(POLICIES)}, got {self.policy!r}")
-        if self.witness_signal not in ("default", "key_drift", "recency"):
+        try:
+            served = WitnessSignal.parse(self.witness_signal).served
+        except ValueError:
+            served = False
+        if not served:
             raise ValueError(
                 f"witness_signal: expected default, key_drift or recency (what serving computes), "
                 f"got {self.witness_signal!r}"
@@ -189,7 +197,7 @@ class CalibrationSettings:
     @property
     def resolved_witness_signal(self) -> str:
         """``key_drift`` or ``recency``: what the profile records and serving must match."""
-        return default_witness_signal(self.policy) if self.witness_signal == "default" else self.witness_signal
+        return WitnessSignal.parse(self.witness_signal).resolve(self.policy).value
 
     def policy_settings(self, cand: Candidate) -> PolicySettings:
         s = cand.setting(self.sink_tokens, self.local_blocks, self.witness_blocks)
