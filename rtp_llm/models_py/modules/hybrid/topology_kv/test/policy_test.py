@@ -1,7 +1,7 @@
 """Tests of the topology KV policy: modes, contract, counters, fingerprints, compile.
 
 CPU by default; ``TOPOLOGY_KV_TEST_DEVICE=cuda`` runs the same checks on a GPU
-(``//benchmark:topology_kv_policy_cuda_manual``). Every test runs once per backend that
+(``//rtp_llm/models_py/modules/hybrid/topology_kv/test:policy_cuda_manual``). Every test runs once per backend that
 can run on the device (``torch`` always, ``cpu_fused`` on CPU, ``triton`` on CUDA; the
 Triton kernel's CPU run under the interpreter is ``triton_fused_test.py``,
 bit for bit against the torch core): the module-scoped ``backend`` fixture forces it.

@@ -8,7 +8,7 @@ CUDA graph capture and replay.
 CPU by default: the kernel runs under the Triton interpreter (``tools.device_under_test``,
 imported by the folder's ``conftest.py`` before any test module, sets
 ``TRITON_INTERPRET=1`` before triton is imported). ``TOPOLOGY_KV_TEST_DEVICE=cuda`` runs
-the same checks compiled on a GPU (``//benchmark:topology_kv_policy_triton_cuda_manual``).
+the same checks compiled on a GPU (``//rtp_llm/models_py/modules/hybrid/topology_kv/test:triton_fused_cuda_manual``).
 """
 
 from __future__ import annotations
