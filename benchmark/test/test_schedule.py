@@ -268,7 +268,10 @@ def test_witness_signal_parsing():
     from rtp_llm.models_py.modules.hybrid.topology_kv.config import WitnessSignal
 
     assert WitnessSignal.parse("Query_Centroid") is WitnessSignal.QUERY_CENTROID
-    with pytest.raises(ValueError, match="witness signal: expected one of \\[key_drift, value_drift"):
+    assert WitnessSignal.parse(" Default ") is WitnessSignal.AUTO  # the harness's spelling of auto
+    # One vocabulary: the error lists every signal, served and harness-only.
+    with pytest.raises(ValueError, match="witness_signal: expected one of \\[auto, key_drift, recency, value_drift, "
+                                         "query_centroid, query_mass, query_bound\\]"):
         WitnessSignal.parse("attention")
 
 
