@@ -238,7 +238,7 @@ def test_missing_tracker_falls_back_to_recency_and_logs_once(decode_case, caplog
 
 
 def test_topology_only_default_serves_recency_without_reading_the_tracker(decode_case, caplog):
-    """Issue 14: at the serving defaults (witness_signal auto) topology_only gets no drift
+    """At the serving defaults (witness_signal auto) topology_only gets no drift
     scores: a passed tracker is not read, nothing is logged, and the rows are plain
     locality (4 sink tokens + the most recent tokens). Explicit key_drift reads it again."""
     b = decode_case.batch

@@ -90,16 +90,16 @@ BAD_ENV = [
     (ENV_MISMATCH_ACTION, "ignore"),  # unknown action
     (ENV_PATHS, "decode,verify"),  # unknown path name
     (ENV_PATHS, "decode,,cp"),  # empty item
-    # Issue 12 (10): int() / float() accept these; a block count or fraction never means them.
+    # int() / float() accept these; a block count or fraction never means them.
     (ENV_LOCAL_BLOCKS, "3_000"),  # digit separator
     (ENV_LOCAL_BLOCKS, "+2"),  # sign
     (ENV_WITNESS_BLOCKS, "\u0663"),  # ARABIC-INDIC DIGIT THREE
     (ENV_SINK_TOKENS, "12345678901234567890"),  # 20 digits
     (ENV_MAX_STRUCTURAL_FRACTION, "0_5"),
-    # Issue 12 (7): block counts past MAX_STRUCTURAL_BLOCKS (a call grew 400x at 2000).
+    # Block counts past MAX_STRUCTURAL_BLOCKS (a call grew 400x at 2000).
     (ENV_LOCAL_BLOCKS, "2000"),
     (ENV_WITNESS_BLOCKS, "65"),
-    # Issue 14: the serving witness signal.
+    # The serving witness signal.
     (ENV_WITNESS_SIGNAL, "drift"),  # not a member (key_drift is)
     (ENV_WITNESS_SIGNAL, "query_mass"),  # a harness signal the Indexer does not compute
 ]
@@ -153,7 +153,7 @@ def test_env_sink_tokens_and_structural_budget():
 
 
 def test_block_counts_are_bounded_at_config_time():
-    """Issue 12 (7): at most MAX_STRUCTURAL_BLOCKS scheduled blocks, named in the error."""
+    """At most MAX_STRUCTURAL_BLOCKS scheduled blocks, named in the error."""
     TopologyKVPolicyConfig(policy=MERGE, sink_tokens=4, local_blocks=MAX_STRUCTURAL_BLOCKS - 3, witness_blocks=2)
     with pytest.raises(ValueError, match="local_blocks: expected <= 64, got 2000"):
         TopologyKVPolicyConfig(policy=MERGE, local_blocks=2000)
@@ -164,7 +164,7 @@ def test_block_counts_are_bounded_at_config_time():
 
 
 def test_a_fraction_that_injects_nothing_at_the_width_is_rejected():
-    """Issue 12 (10): floor(W * fraction) == 0 would make a merge mode a silent no-op."""
+    """floor(W * fraction) == 0 would make a merge mode a silent no-op."""
     env = {ENV_POLICY: "topology_sparse_merge", ENV_MAX_STRUCTURAL_FRACTION: "0.0001"}
     settings = IndexerTopologySettings.from_env(env)  # valid on its own ...
     with pytest.raises(ValueError, match=ENV_MAX_STRUCTURAL_FRACTION):
@@ -174,8 +174,8 @@ def test_a_fraction_that_injects_nothing_at_the_width_is_rejected():
 
 
 def test_python_config_and_serving_env_default_to_the_same_sync_free_action():
-    """Issue 12: TopologyKVPolicyConfig() defaulted to raise (a host sync per call) while the
-    env default was fallback_disabled; both are fallback_disabled now."""
+    """TopologyKVPolicyConfig() and the environment default to the same action,
+    fallback_disabled (raise costs a host sync per call)."""
     fallback = CoordinateMismatchAction.FALLBACK_DISABLED
     assert TopologyKVPolicyConfig().coordinate_mismatch_action is fallback
     assert IndexerTopologySettings.from_env({}).policy.coordinate_mismatch_action is fallback
@@ -193,7 +193,7 @@ def test_a_forced_backend_the_layer_device_cannot_run_fails_at_construction():
 
 
 def test_env_witness_signal_defaults_to_auto_recency_only_for_topology_only():
-    """Issue 14: auto serves topology_only with recency (it then selects plain locality) and
+    """auto serves topology_only with recency (it then selects plain locality) and
     the merge modes with key drift; an explicit value applies to every mode."""
     assert IndexerTopologySettings().witness_signal is WitnessSignal.AUTO
     for mode, want in [("topology_only", "recency"), ("topology_sparse_merge", "key_drift"),
@@ -217,3 +217,26 @@ def test_env_bad_witness_signal_lists_the_valid_values():
     )
     with pytest.raises(ValueError, match="witness_signal: expected one of \\[auto, key_drift, recency\\]"):
         IndexerTopologySettings(witness_signal="bogus")
+
+
+def test_every_serving_variable_is_read_and_documented_in_the_readme():
+    from rtp_llm.models_py.modules.hybrid.topology_kv.config import serving_variables
+    from rtp_llm.models_py.modules.hybrid.topology_kv.profile import ENV_PROFILE, ENV_PROFILE_BUDGET
+
+    names = serving_variables() + (ENV_PROFILE, ENV_PROFILE_BUDGET)
+    assert len(set(names)) == len(names) == 13
+    readme = open(os.path.join(os.path.dirname(__file__), *[os.pardir] * 5, "README.md"), encoding="utf-8").read()
+    table = [line for line in readme.splitlines() if line.startswith("| `RTP_LLM_TOPOLOGY_KV_")]
+    documented = {line.split("`")[1] for line in table}
+    assert documented == set(names), (sorted(documented ^ set(names)))
+    # Each policy variable changes the setting it names (a non-default value is read).
+    changed = {
+        "RTP_LLM_TOPOLOGY_KV_SINK_BLOCKS": "3", "RTP_LLM_TOPOLOGY_KV_LOCAL_BLOCKS": "3",
+        "RTP_LLM_TOPOLOGY_KV_WITNESS_BLOCKS": "3", "RTP_LLM_TOPOLOGY_KV_MAX_STRUCTURAL_FRACTION": "0.5",
+        "RTP_LLM_TOPOLOGY_KV_MISMATCH_ACTION": "raise", "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS": "blocks",
+        "RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET": "scaled", "RTP_LLM_TOPOLOGY_KV_BACKEND": "torch",
+    }
+    base = {"RTP_LLM_TOPOLOGY_KV_POLICY": "topology_sparse_merge"}
+    default = IndexerTopologySettings.from_env(base).policy
+    for name, value in changed.items():
+        assert IndexerTopologySettings.from_env({**base, name: value}).policy != default, name

@@ -5,37 +5,13 @@ Everything here is read and validated once, at construction (``__post_init__`` o
 value and the valid ones. Option names are parsed in one place
 (:func:`parse_enum_member`): case-insensitive, surrounding blanks ignored.
 
-Serving reads these environment variables once, when the ``Indexer`` is built (unset or
-blank means the default):
-
-=========================================== ============================ ==================
-variable                                    valid values                 default
-=========================================== ============================ ==================
-``RTP_LLM_TOPOLOGY_KV_POLICY``              disabled, topology_sparse_   disabled
-                                            merge, topology_compress_
-                                            sparse, topology_only
-``RTP_LLM_TOPOLOGY_KV_SINK_BLOCKS``         integer >= 0                 1
-``RTP_LLM_TOPOLOGY_KV_LOCAL_BLOCKS``        integer >= 0                 2
-``RTP_LLM_TOPOLOGY_KV_WITNESS_BLOCKS``      integer >= 0                 2
-``RTP_LLM_TOPOLOGY_KV_MAX_STRUCTURAL_       float in (0, 1]              0.25
-FRACTION``
-``RTP_LLM_TOPOLOGY_KV_MISMATCH_ACTION``     raise, fallback_disabled     fallback_disabled
-``RTP_LLM_TOPOLOGY_KV_PATHS``               comma list of decode,        all
-                                            prefill, cp; or all
-``RTP_LLM_TOPOLOGY_KV_SINK_TOKENS``         integer >= 0, or "blocks"    4 (the policy config's
-                                            (whole sink blocks)          ``sink_tokens``)
-``RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET``   fixed, scaled                the policy config's
-``RTP_LLM_TOPOLOGY_KV_BACKEND``             auto, torch, compiled,       auto
-                                            triton, cpu_fused
-``RTP_LLM_TOPOLOGY_KV_WITNESS_SIGNAL``      auto, key_drift, recency     auto (recency for
-                                                                         topology_only,
-                                                                         key_drift otherwise)
-``RTP_LLM_TOPOLOGY_KV_PROFILE``             path of a per-layer profile  unset (no profile)
-                                            (read by the ``Indexer``,
-                                            ``topology_kv.profile``)
-``RTP_LLM_TOPOLOGY_KV_PROFILE_BUDGET``      one of the profile's         nearest calibrated
-                                            budgets, e.g. 1/16           budget to W / context
-=========================================== ============================ ==================
+Serving reads its environment variables once, when the ``Indexer`` is built (unset or
+blank means the default). Each policy setting is a field of :class:`TopologyKVPolicyConfig`
+that names its own variable, kind, default and help (``_setting``); the hook's own
+settings are ``RTP_LLM_TOPOLOGY_KV_PATHS`` and ``RTP_LLM_TOPOLOGY_KV_WITNESS_SIGNAL``
+(:class:`IndexerTopologySettings`), the profile's ``RTP_LLM_TOPOLOGY_KV_PROFILE`` and
+``..._PROFILE_BUDGET`` (``topology_kv.profile``). :func:`serving_variables` lists them all;
+the README's settings table documents each (tested).
 
 ``fallback_disabled`` is the serving default because ``raise`` reads values on the host
 (one sync per layer call), which the serving hot path must not do.
@@ -442,6 +418,13 @@ def _env_setting(environ: Mapping[str, str], field: dataclasses.Field, block_siz
             return None
         return _env_count(environ, name, default, MAX_STRUCTURAL_BLOCKS * block_size)
     raise AssertionError(f"{field.name}: a {kind.value} setting has no serving variable")
+
+
+def serving_variables() -> Tuple[str, ...]:
+    """Every ``RTP_LLM_TOPOLOGY_KV_*`` variable of the policy and its hook (the profile's
+    two are ``topology_kv.profile``'s)."""
+    fields = tuple(f.metadata["env"] for f in dataclasses.fields(TopologyKVPolicyConfig) if f.metadata.get("env"))
+    return fields + (ENV_PATHS, ENV_WITNESS_SIGNAL)
 
 
 def structural_settings() -> Tuple[dataclasses.Field, ...]:

@@ -612,7 +612,7 @@ def _fallback(mode=MERGE, **kw):
 
 @pytest.mark.parametrize("mode", ENABLED_MODES)
 def test_duplicate_entries_make_a_row_broken(mode):
-    # Issue 12.1: a row holding the same valid position twice is broken: returned
+    # A row holding the same valid position twice is broken: returned
     # unchanged and counted under FALLBACK_DISABLED, ValueError naming row and value under RAISE.
     x = _t([[0, 10, 37, 11, 20, 21, 22, 23], [5, 9, 5, -1, -1, -1, -1, -1]])
     res = apply_topology_kv_policy(x, _t([40, 40]), config=_fallback(mode))
@@ -625,7 +625,7 @@ def test_duplicate_entries_make_a_row_broken(mode):
 
 @pytest.mark.parametrize("mode", ENABLED_MODES)
 def test_int32_interval_ending_at_2_pow_31_is_valid(mode):
-    # Issue 12.2: offset + length is 2**31, one past the int32 range; the row is valid.
+    # offset + length is 2**31, one past the int32 range; the row is valid.
     off = 2**31 - 40
     x = _t([[off + t for t in (1, 2, 3, 30)] + [-1] * 4], dtype=torch.int32)
     L, O = _t([40], dtype=torch.int32), _t([off], dtype=torch.int32)
@@ -651,7 +651,7 @@ def test_int32_interval_ending_at_2_pow_31_is_valid(mode):
     ],
 )
 def test_negative_offset_empty_and_overflowing_rows_are_broken(mode, row, length, offset, what):
-    # Issue 12.3: offset < 0, length <= 0, and offset + length - 1 > dtype max break a row.
+    # offset < 0, length <= 0, and offset + length - 1 > dtype max break a row.
     x = _t([row, [0, 1, -1, -1]], dtype=torch.int32)
     L, O = _t([length, 4]), _t([offset, 0])  # int64 lengths/offsets with int32 rows
     res = apply_topology_kv_policy(x, L, config=_fallback(mode), topk_indices_offset=O)
@@ -663,7 +663,7 @@ def test_negative_offset_empty_and_overflowing_rows_are_broken(mode, row, length
 
 @pytest.mark.parametrize("mode", ENABLED_MODES)
 def test_int64_lengths_with_int32_rows_are_not_truncated(mode):
-    # Issue 12.4: 2**32 + 5 used to be truncated to 5 (so the row was processed as length 5).
+    # A length of 2**32 + 5 is read as int64, never truncated to 5 (the int32 rows' dtype).
     x = _t([[0, 1, 2, -1, -1, -1, -1, -1]], dtype=torch.int32)
     res = apply_topology_kv_policy(x, _t([2**32 + 5]), config=_fallback(mode))
     assert res.indices.tolist() == x.tolist()
@@ -677,7 +677,7 @@ def test_int64_lengths_with_int32_rows_are_not_truncated(mode):
 @pytest.mark.parametrize("validate", [True, False])
 @pytest.mark.parametrize("mode", ENABLED_MODES)
 def test_zero_width_is_rejected(mode, validate):
-    # Issue 12.6: W == 0 used to crash with an IndexError inside the core.
+    # W == 0 is an argument error naming topk_indices, not a failure inside the core.
     with pytest.raises(ValueError, match="topk_indices: expected W >= 1"):
         apply_topology_kv_policy(torch.zeros(2, 0, dtype=torch.int32, device=DEVICE), _t([4, 4]),
                                  config=_fallback(mode), validate=validate)
@@ -699,7 +699,7 @@ class _HostReads(torch.overrides.TorchFunctionMode):
 
 
 def test_check_topk_coordinates_reads_the_host_once_on_success():
-    # Issue 12.8: the success path used to read four values (and sort on the host's behalf).
+    # The success path reads one value on the host (the any-violation flag), no more.
     x = _t([_engine_row(40, 8, chosen=range(10, 18)), _engine_row(5, 8)], dtype=torch.int32)
     with _HostReads() as reads:
         check_topk_coordinates(x, _t([40, 5]), _t([0, 0]))
@@ -714,8 +714,8 @@ def test_check_topk_coordinates_reads_the_host_once_on_success():
 
 @pytest.mark.parametrize("mode", ENABLED_MODES)
 def test_drift_table_shorter_than_a_row_makes_the_row_broken(mode):
-    # Issue 12.9: a drift table with N = 3 blocks cannot score the 10 blocks of a length-40
-    # row (block 4); it used to restrict the witnesses silently to blocks 0..2. The
+    # A drift table with N = 3 blocks cannot score the 10 blocks of a length-40
+    # row (block 4): the row is broken, never scheduled on blocks 0..2 silently. The
     # length-12 row needs 3 blocks and is processed.
     drift = torch.ones(2, 3, device=DEVICE)
     x = _t([[20, 21, 22, -1, -1, -1, -1, -1], [4, 5, -1, -1, -1, -1, -1, -1]])
