@@ -293,7 +293,7 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
 
 
 def evaluate_targets(results: List[Dict[str, object]]) -> List[Dict[str, object]]:
-    """Issue 13's targets per mode and learned-scores setting, on the best backend per cell.
+    """The policy's cost targets per mode and learned-scores setting, on the best backend per cell.
 
     CPU: R = 1 at 8k <= 150 us per call and <= 0.5x ``torch.topk`` of the row; 1024 x 8k
     <= 0.15x ``torch.topk``. GPU: <= 10% of ``torch.topk`` at 64 x 128k and <= 5 us per

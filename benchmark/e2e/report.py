@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from benchmark.e2e.attention import PARTS
 from benchmark.e2e.indexers import VARIANTS
 
-# Issue 16's targets, printed PASS / FAIL / NOT RUN and never asserted (a shared 2-core
+# The end-to-end targets, printed PASS / FAIL / NOT RUN and never asserted (a shared 2-core
 # machine's timings are a measurement, not a test).
 TARGET_CONTEXT = 8192
 NOSCAN_BATCH, NOSCAN_MIN_SPEEDUP = 8, 1.3  # topology_only_noscan >= 1.3x dense
@@ -46,7 +46,7 @@ def _target(name: str, context: Optional[int], batch: int, preset, value: Option
 
 
 def targets(rows: List[Row]) -> List[Row]:
-    """Issue 16's targets over one-row-per-request rows; ``passed`` None: not run.
+    """The end-to-end targets over one-row-per-request rows; ``passed`` None: not run.
 
     ``learned+topology_compress_sparse`` is compared with ``learned`` of the same proxy
     indexer, budget, context and batch (so merged runs of several presets pair up right).

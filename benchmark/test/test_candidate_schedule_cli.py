@@ -29,12 +29,12 @@ SCRIPT = pathlib.Path(os.path.abspath(bench.__file__)).parents[1] / "topology_kv
 TINY = ["--seq-len", "512", "--selected-tokens", "64", "256", "--heads", "2", "--head-dim", "8",
         "--rounds", "2", "--warmup", "1", "--device", "cpu"]
 
-# The contract of the issue: these first, in this order.
+# The TSV contract: these columns first, in this order.
 CONTRACT_COLUMNS = ["seq_len", "selected_tokens", "dense_sdpa_ms", "sparse_selected_ms", "speedup",
                     "schedule_ms", "ideal_speedup", "fraction_of_ideal"]
 
-# The command of the issue, with the device swapped for one this machine has.
-ISSUE_ARGV = ["--seq-len", "16384", "--selected-tokens", "128", "256", "512", "1024", "--heads", "16",
+# The screening command line of the validation report (16k context, 4 budgets) on the CPU.
+SCREENING_ARGV = ["--seq-len", "16384", "--selected-tokens", "128", "256", "512", "1024", "--heads", "16",
               "--head-dim", "64", "--rounds", "60", "--warmup", "20", "--device", "cpu"]
 
 
@@ -61,8 +61,8 @@ def test_defaults():
     assert args.threads == sorted({1, torch.get_num_threads()})
 
 
-def test_issue_command_line_parses():
-    args = bench.parse_args(ISSUE_ARGV)
+def test_screening_command_line_parses():
+    args = bench.parse_args(SCREENING_ARGV)
     assert args.seq_len == 16384 and args.selected_tokens == [128, 256, 512, 1024]
     assert (args.heads, args.head_dim, args.rounds, args.warmup) == (16, 64, 60, 20)
     assert (args.device, args.dtype) == ("cpu", "float32")
