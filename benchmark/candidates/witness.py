@@ -2,7 +2,7 @@
 
 The serving policy takes witness scores as a ``[R, N]`` (or ``[B, N]``) float tensor; this
 module computes the alternatives to key-centroid drift that the quality harness and the
-policy benchmark study (:class:`WitnessSignal`). They need the row's query and a
+policy benchmark study (``topology_kv.config.WitnessSignal``). They need the row's query and a
 per-block key table, so they cost ``R * N * H * D`` multiply-adds per call: one
 ``block_size``-th of an indexer scan. The serving ``Indexer`` wires only key drift
 (``BlockDriftTracker``); see ``docs/results.md`` (section 6.3) for what each signal buys.
@@ -13,7 +13,7 @@ head dim, ``L`` KV length. Public functions validate; ``_unchecked`` variants ne
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 
@@ -24,7 +24,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import (
     check_lengths,
     check_tensor,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv.config import DEFAULT_BLOCK_SIZE, WitnessSignal  # noqa: F401 (the signals these compute)
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import DEFAULT_BLOCK_SIZE
 
 
 def query_centroid_scores(query: torch.Tensor, key_centroids: torch.Tensor) -> torch.Tensor:
