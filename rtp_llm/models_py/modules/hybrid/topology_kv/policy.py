@@ -262,9 +262,12 @@ def apply_topology_kv_policy(
         ``context`` must be None. None: built here from ``context`` (host work per call).
     out : like ``topk_indices`` (same shape, dtype, device), or None
         Written with the result rows (fully overwritten), which are then ``out`` itself.
+        It must not share memory with any input (``ValueError`` naming both, checked with
+        ``validate``: addresses only, no sync).
     counters_out : int64 ``[len(COUNTER_NAMES)]`` on the rows' device, or None
         The call *adds* its counts to it (running totals across layers or steps; the
-        result's counters are then views of it). With ``out`` and ``counters_out`` the
+        result's counters are then views of it: the caller's totals, which change when the
+        caller adds into it again). Apart from every input and from ``out``. With ``out`` and ``counters_out`` the
         ``triton`` backend allocates nothing and reads nothing on the host.
 
     Returns
@@ -313,7 +316,12 @@ def apply_topology_kv_policy(
         raise ValueError(f"plan.scaffold_lengths: expected shape ({topk_indices.shape[0]},), got {tuple(scaffold.shape)}")
     resolved = resolve_backend(config.backend if backend is None else backend, topk_indices.device)
     if validate:
-        _validate_buffers(topk_indices, out, counters_out)
+        inputs_by_name = {
+            "topk_indices": topk_indices, "lengths": lengths, "topk_indices_offset": topk_indices_offset,
+            "block_drift_scores": block_drift_scores, "row_to_request": row_to_request,
+            "learned_scores": learned_scores, "plan.scaffold_lengths": scaffold,
+        }
+        _validate_buffers(topk_indices, out, counters_out, inputs_by_name)
     inputs = PolicyTensors(topk_indices, lengths, topk_indices_offset, block_drift_scores, learned_scores, scaffold)
     rows, counters, lazy = run_layout(
         resolved, PolicyLayout.from_config(config), inputs, row_to_request, out=out, counters_out=counters_out
@@ -352,16 +360,54 @@ def run_layout(
     return run_policy_core(backend, inputs, layout=layout, out=out, counters_out=counters_out)
 
 
-def _validate_buffers(topk_indices: torch.Tensor, out, counters_out) -> None:
+def _validate_buffers(topk_indices: torch.Tensor, out, counters_out, inputs: Dict[str, Optional[torch.Tensor]]) -> None:
+    """Metadata of ``out`` / ``counters_out``, and neither shares a byte with an input or the other.
+
+    Inputs are never modified, and a kernel that writes a row another row still has to read
+    gives wrong rows without an error, so any overlap is refused: the same address, one
+    row past the input in one buffer, a view of ``lengths``' memory. Host metadata only
+    (addresses, sizes, strides; no value is read).
+    """
     R, W = topk_indices.shape
     if out is not None:
         check_tensor("out", out, dtypes=(topk_indices.dtype,), shape=(R, W), device=topk_indices.device,
                      device_of="topk_indices")
-        if out.data_ptr() == topk_indices.data_ptr() and out.numel():
-            raise ValueError("out: expected a buffer apart from topk_indices (inputs are never modified)")
+        _check_apart("out", out, inputs)
     if counters_out is not None:
         check_tensor("counters_out", counters_out, dtypes=(torch.int64,), shape=(len(COUNTER_NAMES),),
                      device=topk_indices.device, device_of="topk_indices")
+        _check_apart("counters_out", counters_out, {**inputs, "out": out})
+
+
+def _check_apart(name: str, buffer: torch.Tensor, others: Dict[str, Optional[torch.Tensor]]) -> None:
+    for other_name, other in others.items():
+        if other is not None and memory_overlaps(buffer, other):
+            raise ValueError(
+                f"{name}: expected a buffer apart from {other_name} (inputs are never modified), "
+                f"got one that shares memory with it"
+            )
+
+
+def _byte_extent(t: torch.Tensor) -> Tuple[int, int]:
+    """``[first, last + 1)`` byte addresses a tensor's elements span (strides are >= 0 in torch)."""
+    start = t.data_ptr()
+    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, start + (span + 1) * t.element_size()
+
+
+def memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors may share a byte: an address-range check on the same device.
+
+    Exact for dense tensors; conservative for strided views whose extents interleave (two
+    columns of one matrix count as overlapping). Empty tensors overlap nothing. Host
+    metadata only, no sync; ``torch._C._overlaps`` is no substitute: it calls two disjoint
+    slices of one buffer overlapping.
+    """
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a_start, a_end = _byte_extent(a)
+    b_start, b_end = _byte_extent(b)
+    return a_start < b_end and b_start < a_end
 
 
 def _synchronize(device: torch.device) -> None:

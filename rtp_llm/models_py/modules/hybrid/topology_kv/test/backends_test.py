@@ -138,3 +138,78 @@ def test_compiled_backend_equals_torch_and_reuses_its_graph_as_rows_change():
         assert torch.equal(got.indices, want.indices) and got.counters.to_dict() == want.counters.to_dict()
     frames = dynamo_counters["stats"]["unique_graphs"]
     assert frames <= 2, f"recompiled as the row count changed: {frames} graphs for 3 row counts"
+
+
+# ---------------------------------------------------------------- buffers that alias an input
+
+
+def _overlap_cases():
+    """(what out overlaps, the call's keyword arguments) with ``out`` sharing memory with one input."""
+    R, W, L = 3, 8, 20
+    x = _rows(R, W, L, seed=4)
+    lengths = torch.full((R,), L, dtype=torch.int32, device=DEVICE)
+    cases = []
+    big = torch.empty(R + 1, W, dtype=x.dtype, device=DEVICE)
+    big[:R] = x
+    # out one row past the input in one buffer: neither the same address nor apart.
+    cases.append(("topk_indices", dict(topk_indices=big[:R], lengths=lengths, out=big[1:])))
+    pool = torch.zeros(R * W, dtype=torch.int32, device=DEVICE)
+    pool[:R] = L
+    cases.append(("lengths", dict(topk_indices=x, lengths=pool[:R], out=pool.view(R, W))))
+    pool = torch.zeros(R * W, dtype=torch.int32, device=DEVICE)
+    cases.append(("topk_indices_offset", dict(topk_indices=x, lengths=lengths, topk_indices_offset=pool[W:W + R],
+                                              out=pool.view(R, W))))
+    scores = torch.randn(R, W, device=DEVICE)
+    cases.append(("learned_scores", dict(topk_indices=x, lengths=lengths, learned_scores=scores,
+                                         out=scores.view(torch.int32))))
+    drift = torch.rand(R, 2 * W, device=DEVICE)
+    cases.append(("block_drift_scores", dict(topk_indices=x, lengths=lengths, block_drift_scores=drift,
+                                             out=drift.view(torch.int32)[:, W:])))
+    pool = torch.zeros(R * W, dtype=torch.int32, device=DEVICE)
+    cases.append(("row_to_request", dict(topk_indices=x, lengths=lengths, row_to_request=pool[-R:],
+                                         block_drift_scores=torch.rand(1, L, device=DEVICE), out=pool.view(R, W))))
+    wide = x.to(torch.int64)
+    cases.append(("counters_out", dict(topk_indices=wide, lengths=lengths, out=torch.empty_like(wide),
+                                       counters_out=wide.view(-1)[:len(COUNTER_NAMES)])))
+    return cases
+
+
+@pytest.mark.parametrize("backend", CONCRETE, ids=lambda b: b.value)
+@pytest.mark.parametrize("aliased, call", _overlap_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_out_overlapping_any_input_is_refused_naming_both(backend, aliased, call):
+    # A pointer compare let through an out= one row past the input (the fused C++ kernel then
+    # wrote row 0's result into every row) and an out= sharing memory with lengths.
+    if not can_use_backend(backend, DEVICE):
+        pytest.skip(f"{backend.value} cannot run on {DEVICE}")
+    before = {k: v.clone() for k, v in call.items() if k != "out" and isinstance(v, torch.Tensor)}
+    writer = "counters_out" if aliased == "counters_out" else "out"
+    other = "topk_indices" if aliased == "counters_out" else aliased
+    with pytest.raises(ValueError, match=rf"{writer}: expected a buffer apart from {other}\b"):
+        apply_topology_kv_policy(config=_config(MODES[0]), backend=backend, **call)
+    for k, v in before.items():
+        assert torch.equal(call[k], v), f"{k} modified"
+
+
+def test_counters_out_overlapping_out_is_refused():
+    x = _rows(2, 8, 20, seed=5).to(torch.int64)
+    lengths = torch.tensor([20, 20], dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(x)
+    with pytest.raises(ValueError, match=r"counters_out: expected a buffer apart from out\b"):
+        apply_topology_kv_policy(x, lengths, config=_config(MODES[0]), out=out,
+                                 counters_out=out.view(-1)[:len(COUNTER_NAMES)])
+
+
+@pytest.mark.parametrize("backend", CONCRETE, ids=lambda b: b.value)
+def test_disjoint_parts_of_one_buffer_are_accepted(backend):
+    # Apart in memory is what counts, not apart in allocations: a workspace carved into the
+    # input rows and the output rows is fine.
+    if not can_use_backend(backend, DEVICE):
+        pytest.skip(f"{backend.value} cannot run on {DEVICE}")
+    R, W = 3, 8
+    x = _rows(R, W, 20, seed=6)
+    lengths = torch.full((R,), 20, dtype=torch.int32, device=DEVICE)
+    pool = torch.empty(2 * R, W, dtype=x.dtype, device=DEVICE)
+    pool[:R] = x
+    want = apply_topology_kv_policy(x, lengths, config=_config(MODES[0]), backend="torch").indices
+    got = apply_topology_kv_policy(pool[:R], lengths, config=_config(MODES[0]), backend=backend, out=pool[R:])
+    assert torch.equal(got.indices, want) and torch.equal(pool[:R], x)
