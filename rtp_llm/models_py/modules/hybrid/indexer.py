@@ -98,7 +98,8 @@ class Indexer(nn.Module):
     index_n_heads, index_head_dim : ``H``, ``D`` of the indexer queries and keys
     index_topk : ``W``, the top-k width (2048 in DeepSeek-V3.2)
     blocksize : KV page size in tokens (the engine's ``kernel_tokens_per_block``, 64)
-    layer_idx : for log messages
+    layer_idx : the layer's index: required with a profile (its entry; a layer of the profile's
+        model), else for log messages only (None: 0)
     fp8_emulation : emulate the engine's fp8-e4m3 q/k (reference ops and :meth:`write_keys`)
     topology : settings; None reads them from ``os.environ`` once, here
     device : the device the layer runs on, or None. When given and the policy is enabled,
@@ -123,7 +124,7 @@ class Indexer(nn.Module):
         index_topk: int = indexer_torch_ops.DEFAULT_TOPK_WIDTH,
         blocksize: int = indexer_torch_ops.DEFAULT_PAGE_SIZE,
         *,
-        layer_idx: int = 0,
+        layer_idx: Optional[int] = None,
         fp8_emulation: bool = False,
         topology: Optional[IndexerTopologySettings] = None,
         device: Optional[torch.device] = None,
@@ -136,7 +137,7 @@ class Indexer(nn.Module):
         self.index_head_dim = index_head_dim
         self.index_topk = index_topk
         self.blocksize = blocksize
-        self.layer_idx = layer_idx
+        self.layer_idx = 0 if layer_idx is None else layer_idx
         self.fp8_emulation = fp8_emulation
         if topology is None:
             topology = IndexerTopologySettings.from_env(os.environ, block_size=blocksize)

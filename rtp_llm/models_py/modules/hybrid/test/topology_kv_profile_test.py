@@ -392,3 +392,172 @@ def test_the_profile_object_is_immutable():
     profile = parse_topology_profile(_profile_dict(), model_fingerprint=FINGERPRINT)
     with pytest.raises(Exception):
         profile.block_size = 8  # frozen dataclass
+
+
+# ------------------------------------------------------------------ strict profile files
+
+
+def _load_in_thread(call, timeout=10.0):
+    """``call()``'s exception (or None) from a daemon thread; fails if it blocks past ``timeout``."""
+    import threading
+
+    box = {}
+
+    def target():
+        try:
+            call()
+            box["err"] = None
+        except BaseException as err:  # noqa: B902 (reported to the test)
+            box["err"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"blocked for {timeout} s"
+    return box["err"]
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path, monkeypatch):
+    import os
+
+    fifo = tmp_path / "profile.fifo"
+    os.mkfifo(fifo)
+    err = _load_in_thread(lambda: load_topology_profile(fifo, model_fingerprint=FINGERPRINT))
+    assert isinstance(err, ValueError) and str(fifo) in str(err) and "not a regular file" in str(err), err
+    monkeypatch.setenv(ENV_PROFILE, str(fifo))
+    err = _load_in_thread(lambda: Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, model_fingerprint=FINGERPRINT))
+    assert isinstance(err, ValueError) and ENV_PROFILE in str(err) and "not a regular file" in str(err), err
+
+
+def test_a_device_file_is_refused_without_reading_it():
+    err = _load_in_thread(lambda: load_topology_profile("/dev/zero", model_fingerprint=FINGERPRINT))
+    assert isinstance(err, ValueError) and "/dev/zero" in str(err) and "not a regular file" in str(err), err
+
+
+def test_a_file_past_the_size_cap_is_refused_before_reading(tmp_path):
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as f:
+        f.truncate(profile_module.MAX_PROFILE_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(ValueError, match=r"huge.json: .*bytes, more than the .* cap"):
+        load_topology_profile(path, model_fingerprint=FINGERPRINT)
+
+
+def test_deep_nesting_is_a_value_error_naming_the_file(tmp_path):
+    path = _write(tmp_path, "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="nested too deeply") as err:
+        load_topology_profile(path, model_fingerprint=FINGERPRINT)
+    assert str(path) in str(err.value)
+
+
+def _with_layer_key(key):
+    def change(d):
+        d["layers"][key] = d["layers"].pop("1")
+    return change
+
+
+def _raw_text_with_duplicate_layer():
+    text = json.dumps(_profile_dict())
+    # Layer "1" appears twice: the second would silently win.
+    return text.replace('"3": {', '"1": {"1/16": %s, "1/4": %s}, "3": {' % (json.dumps(SKIP), json.dumps(SKIP)), 1)
+
+
+def _set_budgets(budgets, keys=None):
+    def change(d):
+        d["settings"]["budgets"] = budgets
+        if keys is not None:
+            for layer in d["layers"].values():
+                entries = list(layer.values())
+                layer.clear()
+                layer.update(zip(keys, entries))
+    return change
+
+
+# (how the file is broken, the error): keys and numbers must be written one way only.
+STRICT_PROFILES = [
+    (_broken(_with_layer_key("01")), r"layers\.01: expected a layer index in canonical decimal"),
+    (_broken(_with_layer_key("+1")), r"layers\.\+1: expected a layer index in canonical decimal"),
+    (_broken(_with_layer_key(" 1 ")), r"layers\. 1 : expected a layer index in canonical decimal"),
+    (_broken(_with_layer_key("1_0")), r"layers\.1_0: expected a layer index in canonical decimal"),
+    (_broken(_with_layer_key("\u0661")), r"expected a layer index in canonical decimal"),  # Arabic-Indic 1
+    (_raw_text_with_duplicate_layer(), r"layers: duplicate key '1'"),
+    (_broken(_set_budgets(["1/16", "2/32"])), r"settings\.budgets: .*'2/32'.*canonical"),
+    (_broken(_set_budgets(["1/16", "1/16"])), r"settings\.budgets: duplicate budget '1/16'"),
+    (_broken(_set_budgets(["1/16", "1/4"], ["0.0625", "1/4"])), r"layers\.0\.0\.0625: .*canonical"),
+    (_broken(lambda d: d.update(version=True)), r"version: expected 1, got True"),
+    (_broken(lambda d: d["model"].update(full_attention_layers=[0, 1.0, 3])),
+     r"model\.full_attention_layers: expected a list of integers"),
+    (_broken(lambda d: d["model"].update(full_attention_layers=[0, True, 3])),
+     r"model\.full_attention_layers: expected a list of integers"),
+    (_broken(lambda d: d["settings"].update(block_size=True)), r"settings\.block_size: expected an integer"),
+    (json.dumps(_profile_dict()).replace('"num_layers": 4', '"num_layers": ' + "9" * 5000),
+     r"model\.num_layers: expected an integer >= 1, got an integer of 5000 digits"),
+    (json.dumps(_profile_dict()).replace('"sink_tokens": 4', '"sink_tokens": ' + "9" * 5000),
+     r"layers\.0\.1/4\.sink_tokens: expected an integer >= 0, got an integer of 5000 digits"),
+]
+
+
+@pytest.mark.parametrize("data, message", STRICT_PROFILES)
+def test_keys_and_numbers_are_strict(tmp_path, data, message):
+    path = _write(tmp_path, data)
+    with pytest.raises(ValueError, match=message) as err:
+        load_topology_profile(path, model_fingerprint=FINGERPRINT)
+    assert str(path) in str(err.value)
+    assert len(str(err.value)) < 1000, "long values are cut in messages"
+
+
+def test_a_share_too_small_for_the_width_names_the_profile_field(tmp_path):
+    data = _profile_dict()
+    data["layers"]["0"]["1/4"]["max_structural_fraction"] = 1e-300
+    path = _write(tmp_path, data)
+    profile = load_topology_profile(path, model_fingerprint=FINGERPRINT)
+    with pytest.raises(ValueError, match=r"layers\.0\.1/4\.max_structural_fraction") as err:
+        Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, topology=IndexerTopologySettings(), topology_profile=profile)
+    assert str(path) in str(err.value) and "MAX_STRUCTURAL_FRACTION" not in str(err.value)
+
+
+@pytest.mark.parametrize("layer_idx", [999, 4, -1, True])
+def test_a_layer_index_outside_the_profiles_model_is_refused(layer_idx):
+    profile = parse_topology_profile(_profile_dict(), model_fingerprint=FINGERPRINT)
+    with pytest.raises(ValueError, match=r"layer_idx: expected a layer of the profile's model \[0, 4\)"):
+        Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=layer_idx, topology=IndexerTopologySettings(),
+                topology_profile=profile)
+
+
+def test_a_profile_needs_the_layer_index(tmp_path, monkeypatch):
+    profile = parse_topology_profile(_profile_dict(), model_fingerprint=FINGERPRINT)
+    with pytest.raises(ValueError, match="layer_idx: expected the layer's index with a profile, got None"):
+        Indexer(HEADS, DIM, WIDTH, PAGE, topology=IndexerTopologySettings(), topology_profile=profile)
+    monkeypatch.setenv(ENV_PROFILE, str(_write(tmp_path, _profile_dict())))
+    with pytest.raises(ValueError, match="layer_idx: expected the layer's index with a profile, got None"):
+        Indexer(HEADS, DIM, WIDTH, PAGE, model_fingerprint=FINGERPRINT)
+    monkeypatch.delenv(ENV_PROFILE)
+    assert Indexer(HEADS, DIM, WIDTH, PAGE).layer_idx == 0  # without a profile: for log messages only
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gguf_sha256=None), r"gguf_sha256: expected a hex sha256 \(64 hex digits\), got None"),
+    (dict(gguf_sha256="xyz"), r"gguf_sha256: expected a hex sha256"),
+    (dict(name=None), r"name: expected a string, got None"),
+    (dict(full_attention_layers=(0, 1.5)), r"full_attention_layers: expected integers, got \[0, 1.5\]"),
+    (dict(full_attention_layers=(0, True)), r"full_attention_layers: expected integers"),
+])
+def test_a_fingerprint_of_wrong_types_is_refused(kwargs, message):
+    fields = dict(gguf_sha256="ab" * 32, name="tiny.gguf", num_layers=4, full_attention_layers=(0, 1, 3))
+    fields.update(kwargs)
+    with pytest.raises((TypeError, ValueError), match=message):
+        ModelFingerprint(**fields)
+
+
+@pytest.mark.parametrize("override", ["\u0661/\u0661\u0666", "1/1\u0666", "\uff11/16", "1_0/160"])
+def test_the_budget_variable_takes_ascii_digits_only(tmp_path, monkeypatch, override):
+    monkeypatch.setenv(ENV_PROFILE, str(_write(tmp_path, _profile_dict())))
+    monkeypatch.setenv(ENV_PROFILE_BUDGET, override)
+    with pytest.raises(ValueError, match=rf"{ENV_PROFILE_BUDGET}: expected one of"):
+        Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, model_fingerprint=FINGERPRINT)
+
+
+def test_a_long_profile_path_is_cut_in_messages(monkeypatch):
+    monkeypatch.setenv(ENV_PROFILE, "/nonexistent/" + "p" * 100_000)
+    with pytest.raises(ValueError) as err:
+        Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, model_fingerprint=FINGERPRINT)
+    assert ENV_PROFILE in str(err.value) and len(str(err.value)) < 1000

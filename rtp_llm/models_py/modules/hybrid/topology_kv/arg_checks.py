@@ -28,6 +28,18 @@ def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
+SHOWN_CHARACTERS = 120  # of a value quoted in a message: enough to recognise it, not a 200 KB echo
+
+
+def shown(value, limit: int = SHOWN_CHARACTERS) -> str:
+    """``repr(value)`` for a message, cut to ``limit`` characters with the full length said."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters as text"
+    return f"{text[:limit]}... ({size})"
+
+
 def check_int(name: str, value, minimum: int, maximum: Optional[int] = None) -> None:
     """``value`` is a plain ``int`` (not ``bool``) in ``[minimum, maximum]``."""
     if isinstance(value, bool) or not isinstance(value, int):

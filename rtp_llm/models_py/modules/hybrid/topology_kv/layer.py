@@ -37,7 +37,12 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.policy import (
     apply_topology_kv_policy,
     run_layout,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv.profile import TopologyKVProfile, layer_topology_settings
+from rtp_llm.models_py.modules.hybrid.topology_kv.profile import (
+    TopologyKVProfile,
+    budget_key,
+    check_profile_layer,  # noqa: F401 (the rule build applies, documented there)
+    layer_topology_settings,
+)
 from rtp_llm.models_py.modules.hybrid.topology_kv.request import ContextArg, TopologyStepPlan
 
 
@@ -52,7 +57,7 @@ class TopologyKVLayerPolicy:
     Attributes
     ----------
     settings : the layer's :class:`IndexerTopologySettings` (its profile entry applied)
-    layer_idx : the layer (profile lookup, log messages)
+    layer_idx : the layer (profile lookup, log messages; 0 when built without one and no profile)
     width : ``W``, the layer's top-k width
     layout : the kernels' :class:`PolicyLayout`, or None when the policy is disabled
     backend : the backend resolved for ``device``, or None (no device given: resolved on the
@@ -73,19 +78,30 @@ class TopologyKVLayerPolicy:
         cls,
         settings: IndexerTopologySettings,
         *,
-        layer_idx: int,
+        layer_idx: Optional[int],
         width: int,
         device: Union[None, str, torch.device] = None,
         profile: Optional[TopologyKVProfile] = None,
         profile_budget: Optional[str] = None,
     ) -> "TopologyKVLayerPolicy":
-        """Validate and derive everything once; errors name the setting and the value."""
+        """Validate and derive everything once; errors name the setting and the value.
+
+        ``layer_idx`` is required with a profile and must be a layer of its model
+        (:func:`check_profile_layer`); without one it only names the layer in messages (None: 0).
+        """
         if not isinstance(settings, IndexerTopologySettings):
             raise TypeError(f"topology: expected IndexerTopologySettings, got {type(settings).__name__}")
         if profile is not None:
             settings = layer_topology_settings(settings, profile, layer_idx, width, profile_budget)
         policy = settings.policy
         if policy.enabled and policy.policy is not TopologyKVPolicyMode.TOPOLOGY_ONLY:
+            if policy.structural_cap(width) == 0 and profile is not None:
+                budget = budget_key(profile.pick_budget(width, profile_budget))
+                raise ValueError(
+                    f"{profile.path}: layers.{layer_idx}.{budget}.max_structural_fraction: expected >= 1 / "
+                    f"index_topk (1/{width}) so that {policy.policy.value} can inject a token, got "
+                    f"{policy.max_structural_fraction} (floor({width} * {policy.max_structural_fraction}) = 0)"
+                )
             if policy.structural_cap(width) == 0:
                 raise ValueError(
                     f"max_structural_fraction ({ENV_MAX_STRUCTURAL_FRACTION}): expected >= 1 / index_topk "
@@ -97,7 +113,7 @@ class TopologyKVLayerPolicy:
             backend = resolve_backend(policy.backend, device)  # raises naming backend and device
         return cls(
             settings=settings,
-            layer_idx=layer_idx,
+            layer_idx=0 if layer_idx is None else layer_idx,
             width=width,
             layout=PolicyLayout.from_config(policy) if policy.enabled else None,
             backend=backend,

@@ -25,10 +25,13 @@ import hashlib
 import json
 import math
 import os
+import re
+import stat
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
+from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import shown
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     ENV_WITNESS_SIGNAL,
     IndexerTopologySettings,
@@ -42,6 +45,16 @@ PROFILE_FORMAT = "rtp_llm.topology_kv_profile"
 PROFILE_VERSION = 1
 ENV_PROFILE = "RTP_LLM_TOPOLOGY_KV_PROFILE"
 ENV_PROFILE_BUDGET = "RTP_LLM_TOPOLOGY_KV_PROFILE_BUDGET"
+# The largest calibrated profile is 0.7 MB (benchmark/profiles/smollm2_135m_merge.json, 30
+# layers x 3 budgets); 16 MiB leaves room for 700 layers x 30 budgets and bounds the read.
+MAX_PROFILE_BYTES = 16 << 20
+# Integers in a profile are layer indices, counts and context lengths: 18 digits fit int64
+# and are far past every one of them. Longer ones are refused by the field that holds them.
+MAX_INT_DIGITS = 18
+
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+_LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,8}")  # canonical ASCII decimal: no sign, space, "_" or leading 0
+_BUDGET_TEXT = re.compile(r"[0-9]+/[0-9]+|[0-9]*\.?[0-9]+")  # ASCII: Fraction() also takes "١/١٦", "1_0/160"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +73,17 @@ class ModelFingerprint:
     full_attention_layers: Tuple[int, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "gguf_sha256", str(self.gguf_sha256).strip().lower())
-        object.__setattr__(self, "full_attention_layers", tuple(int(i) for i in self.full_attention_layers))
+        if not isinstance(self.gguf_sha256, str) or not _SHA256.fullmatch(self.gguf_sha256.strip()):
+            raise ValueError(f"gguf_sha256: expected a hex sha256 (64 hex digits), got {shown(self.gguf_sha256)}")
+        if not isinstance(self.name, str):
+            raise ValueError(f"name: expected a string, got {shown(self.name)}")
+        layers = tuple(self.full_attention_layers)
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+            raise ValueError(f"full_attention_layers: expected integers, got {shown(list(layers))}")
+        object.__setattr__(self, "gguf_sha256", self.gguf_sha256.strip().lower())
+        object.__setattr__(self, "full_attention_layers", layers)
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
-            raise ValueError(f"num_layers: expected an int >= 1, got {self.num_layers!r}")
+            raise ValueError(f"num_layers: expected an int >= 1, got {shown(self.num_layers)}")
         bad = [i for i in self.full_attention_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"full_attention_layers: expected indices in [0, {self.num_layers}), got {bad}")
@@ -165,14 +185,17 @@ class TopologyKVProfile:
         in log scale (budgets are calibrated a factor of 2 apart), the smaller on a tie.
         """
         if override is not None:
-            try:
-                value = Fraction(str(override).strip()) if not isinstance(override, Fraction) else override
-            except (ValueError, ZeroDivisionError):
-                value = None
+            value = override if isinstance(override, Fraction) else None
+            text = str(override).strip()
+            if value is None and _BUDGET_TEXT.fullmatch(text):
+                try:
+                    value = Fraction(text)
+                except (ValueError, ZeroDivisionError):
+                    value = None
             if value not in self.budgets:
                 raise ValueError(
-                    f"{ENV_PROFILE_BUDGET}: expected one of the budgets of {self.path} "
-                    f"[{', '.join(budget_key(b) for b in self.budgets)}], got {override!r}"
+                    f"{ENV_PROFILE_BUDGET}: expected one of the budgets (ASCII digits) of {self.path} "
+                    f"[{', '.join(budget_key(b) for b in self.budgets)}], got {shown(override)}"
                 )
             return value
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
@@ -229,19 +252,86 @@ def _field(where: str, obj: Mapping[str, Any], name: str, kind, what: str):
     if not isinstance(obj, dict) or name not in obj:
         raise ValueError(f"{where}.{name}: expected {what}, missing")
     value = obj[name]
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ValueError(f"{where}.{name}: expected {what}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, kind):  # a bool is no number here
+        raise ValueError(f"{where}.{name}: expected {what}, got {shown(value)}")
     return value
 
 
 def _parse_budget(where: str, text: Any) -> Fraction:
-    try:
-        value = Fraction(str(text).strip())
-    except (ValueError, ZeroDivisionError):
-        value = None
+    """A budget written the one canonical way, ``n/d`` in lowest terms (``"1/16"``): ``"2/32"``,
+    ``"0.0625"`` or ``" 1/16"`` would name the same budget as another key, the last one winning."""
+    value = None
+    if isinstance(text, str) and _BUDGET_TEXT.fullmatch(text):
+        try:
+            value = Fraction(text)
+        except (ValueError, ZeroDivisionError):
+            value = None
     if value is None or not 0 < value <= 1:
-        raise ValueError(f"{where}: expected a budget in (0, 1] such as \"1/16\", got {text!r}")
+        raise ValueError(f"{where}: expected a budget in (0, 1] such as \"1/16\", got {shown(text)}")
+    if budget_key(value) != text:
+        raise ValueError(
+            f"{where}: expected the budget written n/d in lowest terms, got {shown(text)} "
+            f"(its canonical form {budget_key(value)!r})"
+        )
     return value
+
+
+class _LongInteger:
+    """A JSON integer of more than :data:`MAX_INT_DIGITS` digits, kept for the field's error
+    (``int()`` of 5000 digits raises Python's digit-limit error, naming no file or field)."""
+
+    def __init__(self, text: str) -> None:
+        self.digits = len(text.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+class _DuplicateKeys(dict):
+    """A JSON object that named a key twice (``duplicates``), refused with its path."""
+
+    duplicates: Tuple[str, ...] = ()
+
+
+def _object_pairs(pairs):
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    seen, dups = set(), []
+    for key, _ in pairs:
+        if key in seen:
+            dups.append(key)
+        seen.add(key)
+    obj = _DuplicateKeys(obj)
+    obj.duplicates = tuple(dups)
+    return obj
+
+
+def _parse_int(text: str):
+    return int(text) if len(text.lstrip("-")) <= MAX_INT_DIGITS else _LongInteger(text)
+
+
+def _refuse_duplicates(source: str, data: Any) -> None:
+    """The first object with a key given twice, named by its path (iterative: any depth)."""
+    stack = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _DuplicateKeys):
+            where = path or "the top-level object"
+            raise ValueError(f"{source}: {where}: duplicate key {shown(value.duplicates[0])} (each key once)")
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{_key(k)}" if path else _key(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+
+
+def _key(key: str, limit: int = 40) -> str:
+    """A JSON key as a path component in a message, cut when long."""
+    return key if len(key) <= limit else f"{key[:limit]}... ({len(key)} characters)"
+
+
+def _display_path(path: str, limit: int = 200) -> str:
+    return path if len(path) <= limit else f"{path[:limit]}... ({len(path)} characters)"
 
 
 def _parse_setting(where: str, raw: Any, policy: TopologyKVPolicyMode, block_size: int) -> LayerBudgetSetting:
@@ -293,7 +383,7 @@ def _parse_witness_signal(
     if signal is None or not signal.served:
         valid = ", ".join(s.value for s in SERVED_WITNESS_SIGNALS)
         raise ValueError(
-            f"{where}.witness_signal: expected a signal serving computes ({valid}, or default), got {raw!r}"
+            f"{where}.witness_signal: expected a signal serving computes ({valid}, or default), got {shown(raw)}"
         )
     return signal.resolve(policy)
 
@@ -308,12 +398,16 @@ def parse_topology_profile(
         raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
     fmt = data.get("format")
     if fmt != PROFILE_FORMAT:
-        raise ValueError(f"{source}: format: expected {PROFILE_FORMAT!r}, got {fmt!r}")
+        raise ValueError(f"{source}: format: expected {PROFILE_FORMAT!r}, got {shown(fmt)}")
     version = data.get("version")
-    if version != PROFILE_VERSION:
-        raise ValueError(f"{source}: version: expected {PROFILE_VERSION}, got {version!r}")
+    if isinstance(version, bool) or version != PROFILE_VERSION:  # True == 1 in Python
+        raise ValueError(f"{source}: version: expected {PROFILE_VERSION}, got {shown(version)}")
     raw_model = _field(source, data, "model", dict, "the model's fingerprint object")
     where = f"{source}: model"
+    raw_layer_list = _field(where, raw_model, "full_attention_layers", list, "a list of layer indices")
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in raw_layer_list):
+        raise ValueError(f"{where}.full_attention_layers: expected a list of integers (layer indices), "
+                         f"got {shown(raw_layer_list)}")
     try:
         model = ModelFingerprint(
             gguf_sha256=_field(where, raw_model, "gguf_sha256", str, "a hex sha256"),
@@ -346,28 +440,37 @@ def parse_topology_profile(
         raise ValueError(f"{where}.block_size: expected an integer >= 1, got {block_size}")
     contexts = tuple(_field(where, settings, "contexts", list, "a list of context lengths"))
     if not contexts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in contexts):
-        raise ValueError(f"{where}.contexts: expected a non-empty list of integers >= 1, got {list(contexts)}")
+        raise ValueError(f"{where}.contexts: expected a non-empty list of integers >= 1, got {shown(list(contexts))}")
     raw_budgets = _field(where, settings, "budgets", list, "a list of budgets such as \"1/16\"")
     if not raw_budgets:
         raise ValueError(f"{where}.budgets: expected a non-empty list, got []")
-    budgets = tuple(sorted({_parse_budget(f"{where}.budgets", b) for b in raw_budgets}))
+    parsed = [_parse_budget(f"{where}.budgets", b) for b in raw_budgets]
+    for i, b in enumerate(parsed):
+        if b in parsed[:i]:
+            raise ValueError(f"{where}.budgets: duplicate budget {budget_key(b)!r} (each budget once)")
+    budgets = tuple(sorted(parsed))
     raw_layers = _field(source, data, "layers", dict, "an object: layer index -> budget -> settings")
     layers: Dict[int, Dict[Fraction, LayerBudgetSetting]] = {}
     for key, per_budget in raw_layers.items():
-        try:
-            layer = int(key, 10)
-        except ValueError:
-            raise ValueError(f"{source}: layers: expected layer indices as keys, got {key!r}") from None
+        # One spelling per layer: int() would also read "011", "+11", " 11 ", "1_1" and
+        # non-ASCII digits as 11, and the last of them would silently win.
+        if not _LAYER_KEY.fullmatch(key):
+            raise ValueError(
+                f"{source}: layers.{_key(key)}: expected a layer index in canonical decimal (digits 0-9, "
+                f"no sign, space, underscore or leading zero), got {shown(key)}"
+            )
+        layer = int(key, 10)
         if layer not in model.full_attention_layers:
             raise ValueError(
                 f"{source}: layers.{key}: expected a full-attention layer of the model "
                 f"{list(model.full_attention_layers)}, got {layer}"
             )
         if not isinstance(per_budget, dict):
-            raise ValueError(f"{source}: layers.{key}: expected an object budget -> settings, got {per_budget!r}")
+            raise ValueError(f"{source}: layers.{key}: expected an object budget -> settings, got {shown(per_budget)}")
         entry: Dict[Fraction, LayerBudgetSetting] = {}
         for bkey, raw in per_budget.items():
-            budget = _parse_budget(f"{source}: layers.{key}.{bkey}", bkey)
+            bkey_shown = _key(bkey)
+            budget = _parse_budget(f"{source}: layers.{key}.{bkey_shown}", bkey)
             if budget not in budgets:
                 raise ValueError(
                     f"{source}: layers.{key}.{bkey}: unknown budget key; expected one of settings.budgets "
@@ -405,16 +508,58 @@ def load_topology_profile(path: Union[str, Path], *, model_fingerprint: ModelFin
     wrong format/version, a profile made for another model (both fingerprints given),
     missing layers or budgets, unknown budget keys, settings the policy config rejects.
     """
-    source = str(path)
+    source = _display_path(str(path))
+    text = _read_profile_text(path, source)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{source}: cannot read the topology KV profile: {err}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{source}: not valid JSON: {err}") from None
+        data = json.loads(text, object_pairs_hook=_object_pairs, parse_int=_parse_int)
+    except RecursionError:
+        raise ValueError(f"{source}: not valid JSON: nested too deeply (a profile is 4 levels deep)") from None
+    except ValueError as err:  # json.JSONDecodeError and every other decoding error
+        raise ValueError(f"{source}: not valid JSON: {shown(str(err))}") from None
+    _refuse_duplicates(source, data)
     return parse_topology_profile(data, model_fingerprint=model_fingerprint, source=source)
+
+
+def _read_profile_text(path: Union[str, Path], source: str) -> str:
+    """The file's text: a regular file of at most :data:`MAX_PROFILE_BYTES`, UTF-8.
+
+    Opened with ``O_NONBLOCK`` and checked with ``fstat`` before any read, so a FIFO (which
+    would block the ``Indexer`` constructor until a writer came), a device such as
+    ``/dev/zero`` (endless) or a directory is refused at once; the read is bounded too, in
+    case the file grows after the check.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise ValueError(f"{source}: cannot read the topology KV profile: {err.strerror or err}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(info.st_mode) else "a directory" if stat.S_ISDIR(info.st_mode)
+                    else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "a socket")
+            raise ValueError(f"{source}: not a regular file ({kind}); expected a profile JSON file")
+        if info.st_size > MAX_PROFILE_BYTES:
+            raise ValueError(
+                f"{source}: {info.st_size} bytes, more than the {MAX_PROFILE_BYTES} byte cap of a profile"
+            )
+        chunks, size = [], 0
+        while size <= MAX_PROFILE_BYTES:
+            chunk = os.read(fd, min(1 << 20, MAX_PROFILE_BYTES + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as err:
+        raise ValueError(f"{source}: cannot read the topology KV profile: {err.strerror or err}") from None
+    finally:
+        os.close(fd)
+    if size > MAX_PROFILE_BYTES:
+        raise ValueError(f"{source}: more than the {MAX_PROFILE_BYTES} byte cap of a profile (it grew while read)")
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{source}: cannot read the topology KV profile: not UTF-8 ({err.reason} at byte "
+                         f"{err.start})") from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -435,18 +580,20 @@ def profile_from_env(
     override = override.strip() if override and override.strip() else None
     if raw is None or not raw.strip():
         if override is not None:
-            raise ValueError(f"{ENV_PROFILE_BUDGET}={override!r}: expected {ENV_PROFILE} to be set too")
+            raise ValueError(f"{ENV_PROFILE_BUDGET}={shown(override)}: expected {ENV_PROFILE} to be set too")
         return None, None
     if model_fingerprint is None:
         raise ValueError(
-            f"{ENV_PROFILE}={raw!r}: expected the Indexer to be built with model_fingerprint= "
+            f"{ENV_PROFILE}={shown(raw)}: expected the Indexer to be built with model_fingerprint= "
             "(ModelFingerprint of the served model) so the profile can be checked against it, got None"
         )
     path = raw.strip()
     try:
         stat = os.stat(path)
     except OSError as err:
-        raise ValueError(f"{ENV_PROFILE}={raw!r}: cannot read the topology KV profile: {err}") from None
+        raise ValueError(
+            f"{ENV_PROFILE}={shown(raw)}: cannot read the topology KV profile: {err.strerror or err}"
+        ) from None
     try:
         return _cached_profile(path, stat.st_mtime_ns, stat.st_size, model_fingerprint), override
     except ValueError as err:
@@ -456,14 +603,15 @@ def profile_from_env(
 def layer_topology_settings(
     settings: IndexerTopologySettings,
     profile: TopologyKVProfile,
-    layer_idx: int,
+    layer_idx: Optional[int],
     width: int,
     budget_override: Optional[Union[str, Fraction]] = None,
 ) -> IndexerTopologySettings:
     """One layer's settings: ``settings`` with the profile's entry for this layer at the picked budget.
 
     ``width`` is the layer's top-k width ``W``; the block size of ``settings`` must equal the
-    profile's (the KV page the calibration used).
+    profile's (the KV page the calibration used). ``layer_idx`` is required and must be a
+    layer of the profile's model (:func:`check_profile_layer`).
     """
     if settings.policy.block_size != profile.block_size:
         raise ValueError(
@@ -479,6 +627,25 @@ def layer_topology_settings(
             f"set {ENV_WITNESS_SIGNAL} to {profile.witness_signal.value!r} or calibrate with "
             f"--witness-signal {served.value}"
         )
+    check_profile_layer(profile, layer_idx)
     budget = profile.pick_budget(width, budget_override)
     config = profile.layer_config(layer_idx, budget, settings.policy, mode)
     return dataclasses.replace(settings, policy=config)
+
+
+def check_profile_layer(profile: TopologyKVProfile, layer_idx: Any) -> None:
+    """``layer_idx`` is a layer of the profile's model, ``[0, num_layers)``.
+
+    Without it every layer would take layer 0's entry; past the model (or negative) it would
+    silently find no entry and serve the layer without the policy.
+    """
+    if layer_idx is None:
+        raise ValueError(
+            f"layer_idx: expected the layer's index with a profile, got None ({profile.path} gives each "
+            "layer its own entry)"
+        )
+    n = profile.model.num_layers
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < n:
+        raise ValueError(
+            f"layer_idx: expected a layer of the profile's model [0, {n}) ({profile.path}), got {shown(layer_idx)}"
+        )
