@@ -240,3 +240,16 @@ def test_every_serving_variable_is_read_and_documented_in_the_readme():
     default = IndexerTopologySettings.from_env(base).policy
     for name, value in changed.items():
         assert IndexerTopologySettings.from_env({**base, name: value}).policy != default, name
+
+
+@pytest.mark.parametrize("value", ["x" * 100_000, "9" * 100_000, "topology_only," * 10_000])
+def test_a_long_bad_value_is_cut_in_the_message(value):
+    # A 100k-character value echoed twice made a 200 KB message; the variable and the start
+    # of the value are enough to find it.
+    from rtp_llm.models_py.modules.hybrid.topology_kv.config import serving_variables
+
+    for name in serving_variables():
+        env = {ENV_POLICY: "topology_sparse_merge", name: value}
+        with pytest.raises(ValueError) as err:
+            IndexerTopologySettings.from_env(env)
+        assert name in str(err.value) and len(str(err.value)) < 1000, (name, len(str(err.value)))

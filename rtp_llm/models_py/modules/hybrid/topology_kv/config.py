@@ -26,7 +26,7 @@ import os
 import re
 from typing import FrozenSet, Mapping, Optional, Tuple, Union
 
-from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import check_fraction, check_int
+from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import check_fraction, check_int, shown
 
 DEFAULT_BLOCK_SIZE = 64  # the engine's KV page size (tokens per block)
 # Most structural blocks a config may schedule (sink + local + witness) and most sink tokens
@@ -50,7 +50,7 @@ def parse_enum_member(cls, value, setting: str):
             if key in (member.value, member.name.lower()):
                 return member
     valid = ", ".join(m.value for m in cls)
-    raise ValueError(f"{setting}: expected one of [{valid}] (case-insensitive), got {value!r}")
+    raise ValueError(f"{setting}: expected one of [{valid}] (case-insensitive), got {shown(value)}")
 
 
 class TopologyKVPolicyMode(enum.Enum):
@@ -343,10 +343,10 @@ def _env_count(
     # Plain ASCII decimal digits only: int() would also take "+2", "3_000", non-ASCII
     # digits and 20-digit numbers, none of which a user means as a block count.
     if not _DECIMAL_INT.fullmatch(text):
-        raise ValueError(f"{name}={raw!r}: expected a non-negative decimal integer (digits 0-9 only), got {raw!r}")
+        raise ValueError(f"{name}={shown(raw)}: expected a non-negative decimal integer (digits 0-9 only), got {shown(raw)}")
     value = int(text, 10)
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name}={raw!r}: expected an integer <= {maximum}, got {value}")
+        raise ValueError(f"{name}={shown(raw)}: expected an integer <= {maximum}, got {value}")
     return value
 
 
@@ -356,13 +356,13 @@ def _env_fraction(environ: Mapping[str, str], name: str, default: float) -> floa
         return default
     text = raw.strip()
     if not _DECIMAL_FRACTION.fullmatch(text):  # float() would take "0_5", "nan", "١"
-        raise ValueError(f"{name}={raw!r}: expected a number in (0, 1], got {raw!r}")
+        raise ValueError(f"{name}={shown(raw)}: expected a number in (0, 1], got {shown(raw)}")
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a number in (0, 1], got {raw!r}") from None
+        raise ValueError(f"{name}={shown(raw)}: expected a number in (0, 1], got {shown(raw)}") from None
     if not (math.isfinite(value) and 0.0 < value <= 1.0):
-        raise ValueError(f"{name}={raw!r}: expected a number in (0, 1], got {value}")
+        raise ValueError(f"{name}={shown(raw)}: expected a number in (0, 1], got {value}")
     return value
 
 
@@ -378,7 +378,7 @@ def _env_enum(environ: Mapping[str, str], name: str, cls, default, members=None)
     except ValueError:
         value = None
     if value not in members:
-        raise ValueError(f"{name}={raw!r}: expected one of [{valid}] (case-insensitive), got {raw!r}")
+        raise ValueError(f"{name}={shown(raw)}: expected one of [{valid}] (case-insensitive), got {shown(raw)}")
     return value
 
 
@@ -396,8 +396,8 @@ def _env_paths(environ: Mapping[str, str], name: str) -> FrozenSet[IndexerPath]:
         match = [p for p in IndexerPath if key == p.value]
         if not match:
             raise ValueError(
-                f"{name}={raw!r}: expected a comma-separated list of [{valid}] or 'all', "
-                f"got unknown path {item.strip()!r}"
+                f"{name}={shown(raw)}: expected a comma-separated list of [{valid}] or 'all', "
+                f"got unknown path {shown(item.strip())}"
             )
         paths.add(match[0])
     return frozenset(paths)
@@ -445,7 +445,7 @@ def setting_from_text(field: dataclasses.Field, text: str, where: str):
         if kind is SettingKind.FRACTION:
             return float(raw)
     except ValueError:
-        raise ValueError(f"{where}: not a number: {text!r}") from None
+        raise ValueError(f"{where}: not a number: {shown(text)}") from None
     return field.metadata["choices"].parse(raw).value
 
 
