@@ -111,3 +111,30 @@ def check_block_keys(keys, block_size, lengths) -> None:
         if keys.dim() != 4:
             raise ValueError("lengths: only valid with batched keys [B, L, H, D]")
         check_lengths(lengths, rows=keys.shape[0], max_length=keys.shape[1])
+
+
+def check_row_to_request(row_to_request: torch.Tensor, rows: int, what: str) -> None:
+    """Every entry of ``row_to_request`` indexes one of ``rows`` rows of ``what``. Syncs."""
+    bad = (row_to_request < 0) | (row_to_request >= rows)
+    if bool(bad.any()):
+        row = int(torch.argmax(bad.to(torch.int8)))
+        raise ValueError(
+            f"row_to_request: row {row} holds {int(row_to_request[row])}, outside [0, {rows}) ({what})"
+        )
+
+
+def select_request_rows(table: torch.Tensor, row_to_request: torch.Tensor, what: str) -> torch.Tensor:
+    """``table[row_to_request]`` (``[B, ...] -> [R, ...]``) with an out-of-range entry a
+    ``ValueError`` naming ``row_to_request``, the row, its value and ``what`` the table is.
+
+    Reads nothing on the host when every entry is in range. On CPU the failed select is
+    caught and the values read for the message; on CUDA an out-of-range entry is a
+    device-side assert, which ``coordinate_mismatch_action=raise`` checks first on the host
+    (:func:`check_row_to_request`).
+    """
+    index = row_to_request if row_to_request.dtype == torch.int64 else row_to_request.to(torch.int64)
+    try:
+        return table.index_select(0, index.to(table.device))
+    except (IndexError, RuntimeError):
+        check_row_to_request(row_to_request, table.shape[0], what)
+        raise

@@ -38,7 +38,13 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import (  # n
     resolve_backend,
     run_policy_core,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_row_to_request,
+    check_tensor,
+    select_request_rows,
+)
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.torch_core import (  # noqa: F401 (re-exported)
     COUNTER_NAMES,
     topology_kv_policy_core,
@@ -302,6 +308,8 @@ def apply_topology_kv_policy(
             drift_blocks=None if block_drift_scores is None else block_drift_scores.shape[1],
             block_size=config.block_size,
         )
+        if row_to_request is not None and block_drift_scores is not None:
+            check_row_to_request(row_to_request, block_drift_scores.shape[0], "the rows of block_drift_scores")
 
     W = topk_indices.shape[1]
     if plan is None:
@@ -355,8 +363,8 @@ def run_layout(
     Returns :func:`run_policy_core`'s ``(rows, counters, lazy)``.
     """
     if inputs.drift is not None and row_to_request is not None:
-        index = row_to_request if row_to_request.dtype == torch.int64 else row_to_request.to(torch.int64)
-        inputs = inputs._replace(drift=inputs.drift.index_select(0, index))  # [B, N] -> [R, N]
+        drift = select_request_rows(inputs.drift, row_to_request, "the rows of block_drift_scores")  # [B, N] -> [R, N]
+        inputs = inputs._replace(drift=drift)
     return run_policy_core(backend, inputs, layout=layout, out=out, counters_out=counters_out)
 
 

@@ -19,6 +19,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
+from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import select_request_rows
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import TopologyKVPolicyConfig, TopologyKVPolicyMode
 
 
@@ -134,7 +135,7 @@ class TopologyStepPlan:
             if len(contexts) == 1:
                 scaffold = per_request.expand(num_rows)
             elif row_to_request is not None:
-                scaffold = per_request.index_select(0, row_to_request.to(device=device, dtype=torch.int64))
+                scaffold = select_request_rows(per_request, row_to_request, "the contexts")
             else:
                 if len(contexts) != num_rows:
                     raise ValueError(

@@ -886,3 +886,21 @@ def test_int64_interval_ending_at_2_pow_63_is_valid_and_one_past_is_broken(mode)
     # the first version of the overflow fix subtracting the offset from the padding).
     pad = _t([[-(2**63)]], dtype=torch.int64)
     check_topk_coordinates(pad, _t([1], dtype=torch.int32), _t([7], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("bad", [2, -1, 2**40])
+@pytest.mark.parametrize("action", [FALLBACK, CoordinateMismatchAction.RAISE])
+def test_row_to_request_out_of_range_names_the_argument_row_and_table(bad, action):
+    # index_select raised a bare IndexError naming none of them.
+    x = _t([[0, 1, -1, -1], [0, 1, 2, -1]])
+    L = _t([2, 3])
+    drift = torch.rand(2, 4).to(DEVICE)
+    r2r = _t([0, bad])
+    cfg = _cfg(MERGE, coordinate_mismatch_action=action)
+    with pytest.raises(ValueError, match=rf"row_to_request: row 1 holds {bad}, outside \[0, 2\) "
+                                         r"\(the rows of block_drift_scores\)"):
+        apply_topology_kv_policy(x, L, config=cfg, block_drift_scores=drift, row_to_request=r2r)
+    contexts = [TopologyRequestContext(scaffold_token_ids=[1, 2]), TopologyRequestContext(scaffold_token_ids=[3])]
+    with pytest.raises(ValueError, match=rf"row_to_request: row 1 holds {bad}, outside \[0, 2\) \(the contexts\)"):
+        apply_topology_kv_policy(x, L, config=_cfg(COMPRESS, coordinate_mismatch_action=action),
+                                 row_to_request=r2r, context=contexts)
