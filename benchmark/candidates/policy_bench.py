@@ -46,6 +46,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.policy import apply_topology_kv_policy
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import can_use_backend, resolve_backend
+from benchmark.cli_checks import FlagError, check_output_file, given_flags
 from benchmark.candidates.witness import (
     query_bound_scores_unchecked,
     query_centroid_scores_unchecked,
@@ -85,8 +86,20 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny grid for a smoke run")
     p.add_argument("--json", default=None, help="write rows and environment to this path")
     args = p.parse_args(argv)
-    if args.quick:
-        args.rows, args.lengths, args.rounds, args.warmup, args.reference_rows = [64], [4096, 16384], 3, 1, 2
+    if args.quick:  # the smoke grid's values, for the flags not typed
+        typed = given_flags(p, argv)
+        quick = dict(rows=[64], lengths=[4096, 16384], rounds=3, warmup=1, reference_rows=2)
+        for dest, value in quick.items():
+            if dest not in typed:
+                setattr(args, dest, value)
+    if args.json:
+        path = args.json
+        if not os.path.isabs(path) and os.environ.get("BUILD_WORKING_DIRECTORY"):
+            path = os.path.join(os.environ["BUILD_WORKING_DIRECTORY"], path)
+        try:
+            check_output_file("--json", path)
+        except FlagError as err:
+            p.error(str(err))
     for name in ("rows", "lengths"):
         bad = [v for v in getattr(args, name) if v <= 0]
         if bad:

@@ -98,6 +98,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.drift import (
     block_drift_scores,
     block_key_centroids,
 )
+from benchmark.cli_checks import FlagError, check_output_file
 from benchmark.candidates.block_schedule import (
     TopologyScheduleConfig,
     build_topology_token_indices,
@@ -747,6 +748,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.json is not None and not os.path.isabs(args.json) and os.environ.get("BUILD_WORKING_DIRECTORY"):
         # `bazel run` starts us in the runfiles tree; resolve against the caller's cwd.
         args.json = os.path.join(os.environ["BUILD_WORKING_DIRECTORY"], args.json)
+    if args.json is not None:
+        try:
+            check_output_file("--json", args.json)
+        except FlagError as err:
+            parser.error(str(err))
     return args
 
 

@@ -26,6 +26,9 @@ import sys
 from typing import List, Optional
 
 
+from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, check_output_file, given_flags, shown
+from benchmark.quality.text import NOVELS
+
 # The command line's own names, and those the tests and the validation report import from here.
 from benchmark.e2e.attention import ATTENTION_NAME  # noqa: F401
 from benchmark.e2e.decode import build_batch, decode_batch, kv_geometry, step_inputs  # noqa: F401
@@ -67,9 +70,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.merge is None) != (args.out is None):
         p.error(f"--merge and --out: expected both or neither, got --merge {args.merge} --out {args.out}")
-    if args.quick:
-        args.contexts, args.batches, args.new_tokens, args.num_layers, args.budget, args.warmup = (
-            [512], [1, 4], 4, 4, 256, 1)
+    if args.quick:  # the tiny run's values, for the flags not typed
+        typed = given_flags(p, argv)
+        quick = dict(contexts=[512], batches=[1, 4], new_tokens=4, num_layers=4, budget=256, warmup=1)
+        for dest, value in quick.items():
+            if dest not in typed:
+                setattr(args, dest, value)
+    check_flags_before_load(p, args)
     bad = [c for c in args.contexts if c < 2]
     if bad:
         p.error(f"--contexts: expected lengths >= 2, got {bad}")
@@ -90,6 +97,27 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--variants: unknown {unknown}; expected a subset of {list(VARIANTS)}")
     args.variants = ["dense"] + [v for v in args.variants if v != "dense"]  # ratios need the baseline
     return args
+
+
+def check_flags_before_load(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Counts, names, the model file and the output paths, before the model load (exit 2)."""
+    for flag in ("indexer_heads", "indexer_dim", "threads", "num_layers"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')}: expected >= 1, got {value}")
+    if args.novel not in NOVELS:
+        p.error(f"--novel: expected one of {list(NOVELS)}, got {shown(args.novel)}")
+    from benchmark.quality.paths import user_path
+
+    try:
+        if args.model is not None:
+            check_gguf("--model", user_path(args.model))
+        if args.json is not None:
+            check_output_file("--json", user_path(args.json))
+        if args.out is not None:
+            check_output_dir("--out", user_path(args.out))
+    except FlagError as err:
+        p.error(str(err))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

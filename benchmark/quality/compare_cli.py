@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import List, Optional
 
 
+from benchmark.cli_checks import FlagError, check_output_dir
 from benchmark.quality.compare import compare_rows, load_runs, markdown_table, plot_layer_recall, raised_gate_table
 from benchmark.quality.errors import UsageError
 
@@ -40,6 +41,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error(f"--run: expected NAME=PATH, got {item!r}")
         runs.append((name, path))
     args.runs = runs
+    try:
+        check_output_dir("--out-dir", Path(args.out_dir))
+    except FlagError as err:
+        p.error(str(err))
     return args
 
 

@@ -385,6 +385,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--device: expected cpu, cuda or auto, got {args.device!r}")
     elif args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
+    from benchmark.cli_checks import FlagError, check_output_dir
+    from benchmark.quality.paths import user_path
+
+    try:  # before hours of parts, not when the report is written
+        check_output_dir("--out-dir", user_path(args.out_dir))
+    except FlagError as err:
+        p.error(str(err))
     return args
 
 
