@@ -177,8 +177,8 @@ def _overlap_cases():
 @pytest.mark.parametrize("backend", CONCRETE, ids=lambda b: b.value)
 @pytest.mark.parametrize("aliased, call", _overlap_cases(), ids=lambda v: v if isinstance(v, str) else "")
 def test_out_overlapping_any_input_is_refused_naming_both(backend, aliased, call):
-    # A pointer compare let through an out= one row past the input (the fused C++ kernel then
-    # wrote row 0's result into every row) and an out= sharing memory with lengths.
+    # Any shared byte is refused, not only the same address: an out= one row past the input
+    # makes a kernel write rows another row still reads (wrong rows, no error).
     if not can_use_backend(backend, DEVICE):
         pytest.skip(f"{backend.value} cannot run on {DEVICE}")
     before = {k: v.clone() for k, v in call.items() if k != "out" and isinstance(v, torch.Tensor)}

@@ -891,7 +891,7 @@ def test_int64_interval_ending_at_2_pow_63_is_valid_and_one_past_is_broken(mode)
 @pytest.mark.parametrize("bad", [2, -1, 2**40])
 @pytest.mark.parametrize("action", [FALLBACK, CoordinateMismatchAction.RAISE])
 def test_row_to_request_out_of_range_names_the_argument_row_and_table(bad, action):
-    # index_select raised a bare IndexError naming none of them.
+    # The error names the argument, the row, its value and the table it indexes.
     x = _t([[0, 1, -1, -1], [0, 1, 2, -1]])
     L = _t([2, 3])
     drift = torch.rand(2, 4).to(DEVICE)
