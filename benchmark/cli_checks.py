@@ -183,7 +183,9 @@ def check_gguf(flag: str, path: Union[str, os.PathLike]) -> Path:
             try:
                 magic = r.read(4)
             except _Truncated:
-                raise FlagError(f"{flag}: {shown(str(path))} is not a GGUF file ({size} bytes, no GGUF magic)") from None
+                raise FlagError(
+                    f"{flag}: {shown(str(path))} is not a GGUF file ({size} bytes, no GGUF magic)"
+                ) from None
             if magic != GGUF_MAGIC:
                 raise FlagError(f"{flag}: {shown(str(path))} is not a GGUF file (starts with {magic!r}, "
                                 f"expected {GGUF_MAGIC!r})")

@@ -343,7 +343,9 @@ def _env_count(
     # Plain ASCII decimal digits only: int() would also take "+2", "3_000", non-ASCII
     # digits and 20-digit numbers, none of which a user means as a block count.
     if not _DECIMAL_INT.fullmatch(text):
-        raise ValueError(f"{name}={shown(raw)}: expected a non-negative decimal integer (digits 0-9 only), got {shown(raw)}")
+        raise ValueError(
+            f"{name}={shown(raw)}: expected a non-negative decimal integer (digits 0-9 only), got {shown(raw)}"
+        )
     value = int(text, 10)
     if maximum is not None and value > maximum:
         raise ValueError(f"{name}={shown(raw)}: expected an integer <= {maximum}, got {value}")

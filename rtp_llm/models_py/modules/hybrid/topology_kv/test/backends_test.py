@@ -265,9 +265,10 @@ def test_compiled_past_its_budget_runs_the_fused_kernel_and_logs_once(caplog, mo
     assert "(logged once)" in warnings[0]
 
 
-@pytest.mark.xfail(DEVICE.type == "cpu", strict=True, reason="inductor with dynamic shapes miscompiles the core with a drift table on "
-                   "CPU (torch 2.13: a learned entry kept where a structural token belongs); eager and "
-                   "aot_eager traces of the same graph are right")
+@pytest.mark.xfail(DEVICE.type == "cpu", strict=True,
+                   reason="inductor with dynamic shapes miscompiles the core with a drift table on CPU "
+                          "(torch 2.13: a learned entry kept where a structural token belongs); eager and "
+                          "aot_eager traces of the same graph are right")
 def test_compiled_with_a_drift_table_equals_torch():
     torch._dynamo.reset()
     compiled_core.cache_clear()
