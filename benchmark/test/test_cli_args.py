@@ -160,3 +160,11 @@ def test_the_default_model_passes_the_gguf_check():
     if not path.is_file():
         pytest.skip(f"no default model at {path}")
     assert cli_checks.check_gguf("--model", path) == path
+
+
+def test_an_output_folder_that_cannot_be_made_is_refused():
+    # procfs takes no new folders, even for root (os.access would say yes there).
+    with pytest.raises(cli_checks.FlagError, match=r"^--out-dir: cannot write into '/proc/self/topology_kv'"):
+        cli_checks.check_output_dir("--out-dir", "/proc/self/topology_kv")
+    with pytest.raises(cli_checks.FlagError, match=r"^--json: cannot write '/proc/self/topology_kv/a.json'"):
+        cli_checks.check_output_file("--json", "/proc/self/topology_kv/a.json")
