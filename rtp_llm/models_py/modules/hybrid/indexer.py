@@ -37,6 +37,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from rtp_llm.metrics import register_topology_kv_reporter
 from rtp_llm.models_py.modules.hybrid import indexer_torch_ops
 from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerAttentionInputs,
@@ -59,6 +60,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.profile import (
     profile_from_env,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.request import TopologyStepPlan
+from rtp_llm.models_py.modules.hybrid.topology_kv.step_record import PolicySkipReason, TopologyLayerCall
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +74,22 @@ class TopologyStepCounters:
     :meth:`Indexer._compute_topk` (``topology_counters=``), one per step (or per thread).
     ``by_layer[layer_idx]`` is the :class:`TopologyKVCounters` of that layer's last call
     in this step, or None when the policy did not run there (disabled, path switched off,
-    or a CP rank with no local rows), so nothing stale is ever reported.
+    or a CP rank with no local rows), so nothing stale is ever reported. ``calls[layer_idx]``
+    is that call's :class:`TopologyLayerCall` (path, mode, rows, why it skipped): host
+    values only, what the step's metrics tag and count (``rtp_llm.metrics.topology_kv_step``).
     """
 
     by_layer: Dict[int, Optional[TopologyKVCounters]] = dataclasses.field(default_factory=dict)
+    calls: Dict[int, TopologyLayerCall] = dataclasses.field(default_factory=dict)
 
-    def record(self, layer_idx: int, counters: Optional[TopologyKVCounters]) -> None:
+    def record(
+        self, layer_idx: int, counters: Optional[TopologyKVCounters], call: Optional[TopologyLayerCall] = None
+    ) -> None:
         self.by_layer[layer_idx] = counters
+        if call is not None:
+            self.calls[layer_idx] = call
+        else:
+            self.calls.pop(layer_idx, None)  # never leave an earlier call's record looking current
 
     def totals(self) -> Dict[str, int]:
         """Every counter summed over the layers that ran the policy (reads the device: syncs)."""
@@ -141,6 +152,9 @@ class Indexer(nn.Module):
         self.fp8_emulation = fp8_emulation
         if topology is None:
             topology = IndexerTopologySettings.from_env(os.environ, block_size=blocksize)
+            # The process's one metrics reporter (RTP_LLM_TOPOLOGY_KV_METRICS*), read and
+            # validated once; the first layer built registers it, the others get the same.
+            register_topology_kv_reporter(environ=os.environ)
             if topology_profile is None:
                 topology_profile, env_budget = profile_from_env(os.environ, model_fingerprint=model_fingerprint)
                 topology_profile_budget = topology_profile_budget or env_budget
@@ -152,6 +166,15 @@ class Indexer(nn.Module):
         )
         self.topology = self.topology_layer.settings
         self._logged_skip_reasons = set()  # (reason, path) pairs already logged
+        # Host values the step's metrics tag each call with, fixed here.
+        self.topology_profile_name = (
+            None if topology_profile is None else os.path.splitext(os.path.basename(topology_profile.path))[0]
+        )
+        self._disabled_reason = None
+        if not self.topology.enabled:
+            self._disabled_reason = (
+                PolicySkipReason.DISABLED if topology_profile is None else PolicySkipReason.PROFILE_SKIPPED_LAYER
+            )
 
     @property
     def reads_drift(self) -> bool:
@@ -235,14 +258,23 @@ class Indexer(nn.Module):
             topk = self._get_topk_ragged(q, weights, kv_cache, fmha_params, attention_inputs)
         if not self.topology.enabled or topk is None:
             if topology_counters is not None:
-                topology_counters.record(self.layer_idx, None)
+                reason = self._disabled_reason or PolicySkipReason.NO_LOCAL_ROWS
+                topology_counters.record(self.layer_idx, None, self._layer_call(path, topk, reason))
             return topk
         out, counters = self._apply_topology(
             path, topk, fmha_params, attention_inputs, cp_params, drift_tracker, topology_context, topology_plan
         )
         if topology_counters is not None:
-            topology_counters.record(self.layer_idx, counters)
+            reason = PolicySkipReason.PATH_OFF if counters is None else None
+            topology_counters.record(self.layer_idx, counters, self._layer_call(path, topk, reason))
         return out
+
+    def _layer_call(
+        self, path: IndexerPath, topk: Optional[torch.Tensor], reason: Optional[PolicySkipReason]
+    ) -> TopologyLayerCall:
+        """This call's record for the step's metrics: host values only (a shape, no device read)."""
+        rows = 0 if topk is None else topk.shape[0]
+        return TopologyLayerCall(path, self.topology.policy.policy, rows, reason, self.topology_profile_name)
 
     def forward(
         self,
