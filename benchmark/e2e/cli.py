@@ -34,6 +34,7 @@ from benchmark.e2e.attention import ATTENTION_NAME  # noqa: F401
 from benchmark.e2e.decode import build_batch, decode_batch, kv_geometry, step_inputs  # noqa: F401
 from benchmark.e2e.indexers import DSA_RATIO, PRESETS, VARIANTS, resolve_indexer_shape  # noqa: F401
 from benchmark.e2e.layout import Layout, request_lengths, rows_to_slots, slots_of  # noqa: F401
+from benchmark.e2e.policy_counters import format_counter_table  # noqa: F401
 from benchmark.e2e.report import format_merged, format_table, format_targets, targets, write_merged  # noqa: F401
 from benchmark.e2e.runner import load_model, run, run_one  # noqa: F401
 
@@ -141,6 +142,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(format_table(result["rows"]))
     print()
     print(format_targets(result["targets"]))
+    print("\npolicy counters (every decode step, summed over layers; the metrics exporter's totals):\n")
+    print(format_counter_table(result["rows"]))
     if args.json:
         from benchmark.quality.paths import user_path
 

@@ -22,6 +22,7 @@ from benchmark.e2e.attention import PARTS, PLAN_KWARG, StepPlan, dense_mask
 from benchmark.e2e.indexers import IndexerShape, ProxyIndexer, make_indexer
 from benchmark.e2e.layout import DEVICE, LayerPools, Layout, VariantState, slots_of
 from benchmark.e2e.memory import measure_step_memory, tensor_bytes
+from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY, step_totals
 from rtp_llm.models_py.modules.hybrid.indexer import TopologyStepCounters
 from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerAttentionInputs,
@@ -207,6 +208,8 @@ def decode_step(model, run: BatchRun, st: VariantState, tokens: torch.Tensor, me
             "dense_read_tokens": kv_after * n_dense,  # dense reads each request's KV once for its rows
             "scanned_keys": kv_after * n_scan,  # the indexer reads each request's keys once
             "step_peak_bytes": mem}
+    # After the step, as serving reads it: one host read, reported too when metrics are on.
+    step[COUNTERS_KEY] = step_totals(plan.counters, timers["policy"] * 1e3)
     return logp, step
 
 

@@ -25,6 +25,7 @@ from benchmark.e2e.attention import ATTENTION_NAME, PARTS, register
 from benchmark.e2e.decode import BatchRun, build_batch, decode_batch, kv_geometry, prefill_text
 from benchmark.e2e.indexers import DSA_RATIO, IndexerShape, resolve_indexer_shape
 from benchmark.e2e.layout import request_lengths
+from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY, sum_totals
 from benchmark.e2e.report import targets
 
 
@@ -83,6 +84,7 @@ def summarize(variant: str, run: BatchRun, rec: Dict[str, list], Hkv: int, D: in
         "memory_counter": "VmHWM - VmRSS around step 0 after malloc_trim, plus counted shared and own tensors",
         "prefill_s": run.prefill_s,
         "tokens": [step for step in rec["argmax"]],
+        COUNTERS_KEY: sum_totals(rec["steps"]),  # every step, warm-up included, as the exporter counts
     }
     for p in PARTS:
         row[f"{p}_ms"] = statistics.median(s[f"{p}_s"] * 1e3 for s in steps)
@@ -135,6 +137,9 @@ def run_one(model, text: Sequence[int], context_lens: Sequence[int], variants: S
 def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
     """Every (context, batch) of ``args`` (the command line's namespace): the ``--json`` payload."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    from rtp_llm.metrics import register_topology_kv_reporter
+
+    register_topology_kv_reporter()  # RTP_LLM_TOPOLOGY_KV_METRICS*: the steps are reported when on
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, args.num_layers)

@@ -132,6 +132,7 @@ def run_e2e(out_dir: Path, quick: bool, device: str) -> Dict:
     payload = _run_json_part(e2e.main, "topology_kv_decode_e2e.py", argv, out_dir / "e2e.json")
     payload["markdown"] = e2e.format_table(payload["rows"])
     payload["targets_text"] = e2e.format_targets(payload["targets"])
+    payload["counters_markdown"] = e2e.format_counter_table(payload["rows"])
     return payload
 
 
@@ -309,7 +310,9 @@ def markdown(results: Dict[str, Dict], summary: Dict, env: Dict, plots: Dict[str
                   f"{e['indexer']['dim']} dims, {e['indexer']['ratio_to_attention']:.3f} of attention's "
                   "multiply-adds per key). Peak memory: the step's transient peak (VmHWM - VmRSS around "
                   "step 0 after malloc_trim) plus the counted shared and per-variant tensors.", "",
-                  e["markdown"], "", _fence(e["targets_text"])]
+                  e["markdown"], "", _fence(e["targets_text"]),
+                  "Policy counters, every decode step summed over layers: the totals the metrics "
+                  "exporter reports for the same steps (docs/metrics.md).", "", e["counters_markdown"], ""]
         for key, title in (("e2e_batch", "step time vs batch"), ("e2e", "decode breakdown")):
             if key in plots:
                 lines += [f"![{title}]({plots[key]})", ""]

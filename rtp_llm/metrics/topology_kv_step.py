@@ -129,11 +129,11 @@ def report_reading(reading: TopologyStepReading, reporter: MetricReporter, *, po
         learned = c["learned_kept_tokens"] + c["learned_evicted_tokens"]
         if learned > 0:  # no learned tokens (topology_only without a scan): no share to report
             reporter.report(GaugeMetrics.LEARNED_KEPT_SHARE, c["learned_kept_tokens"] / learned, tags)
-    if policy_ms is not None:
-        # A forward step takes one path; the first call's path and profile tag it.
-        first = next((layer.call for layer in reading.layers if layer.call is not None), None)
-        step_tags = {"path": None if first is None else first.path.value, "profile": None if first is None else first.profile}
-        reporter.report(GaugeMetrics.POLICY_STEP_MS, policy_ms, step_tags)
+    # A forward step takes one path; the first call's path and profile tag its policy time
+    # (a step without any layer call, e.g. a dense model's, has none to report).
+    first = next((layer.call for layer in reading.layers if layer.call is not None), None)
+    if policy_ms is not None and first is not None:
+        reporter.report(GaugeMetrics.POLICY_STEP_MS, policy_ms, {"path": first.path.value, "profile": first.profile})
 
 
 def report_topology_step(
