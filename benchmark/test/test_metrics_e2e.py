@@ -113,7 +113,8 @@ def test_the_benchmark_and_the_report_print_the_scraped_totals(decoded):
         assert line in table, (line, table)
     # The validation report's end-to-end section carries the same table.
     payload = {"rows": rows, "command": "python benchmark/topology_kv_decode_e2e.py", "markdown": "",
-               "targets_text": "", "indexer": {"preset": "dsa-ratio", "heads": 1, "dim": 64, "ratio_to_attention": 0.06},
+               "targets_text": "",
+               "indexer": {"preset": "dsa-ratio", "heads": 1, "dim": 64, "ratio_to_attention": 0.06},
                "counters_markdown": e2e.format_counter_table(rows)}
     env = {"machine": "cpu", "cpu_count": 2, "torch": "", "threads": 2, "device": "cpu", "date": ""}
     assert table in report.markdown({"e2e": payload}, {}, env, {})

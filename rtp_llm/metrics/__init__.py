@@ -70,7 +70,9 @@ def register_topology_kv_reporter(
     global _registered
     with _registering:
         if _registered is None:
-            _registered = build_reporter(settings if settings is not None else TopologyKVMetricsSettings.from_env(environ))
+            if settings is None:
+                settings = TopologyKVMetricsSettings.from_env(environ)
+            _registered = build_reporter(settings)
         elif settings is not None and settings != _registered.settings:
             raise ValueError(
                 f"settings: the topology KV reporter is already registered with {_registered.settings}, got {settings}"

@@ -84,7 +84,9 @@ class TopologyKVMetricsSettings:
                 values["sink"] = MetricsSink.parse(raw)
             except ValueError:
                 valid = ", ".join(m.value for m in MetricsSink)
-                raise ValueError(f"{ENV_METRICS}={raw!r}: expected one of [{valid}] (case-insensitive), got {raw!r}") from None
+                raise ValueError(
+                    f"{ENV_METRICS}={raw!r}: expected one of [{valid}] (case-insensitive), got {raw!r}"
+                ) from None
         raw = environ.get(ENV_METRICS_PORT)
         if raw is not None and raw.strip():
             text = raw.strip()

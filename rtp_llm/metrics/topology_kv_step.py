@@ -108,7 +108,9 @@ def _layer_tags(layer: LayerReading) -> Dict[str, object]:
     return {"layer": layer.layer, "mode": call.mode.value, "path": call.path.value, "profile": call.profile}
 
 
-def report_reading(reading: TopologyStepReading, reporter: MetricReporter, *, policy_ms: Optional[float] = None) -> None:
+def report_reading(
+    reading: TopologyStepReading, reporter: MetricReporter, *, policy_ms: Optional[float] = None
+) -> None:
     """Report a step's reading: the accumulating metrics per layer call, the gauges per
     layer that ran the policy, and ``policy_ms`` (the step's policy time, where the caller
     measured it) as the step gauge."""

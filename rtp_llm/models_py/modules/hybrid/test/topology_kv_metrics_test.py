@@ -42,7 +42,11 @@ from rtp_llm.models_py.modules.hybrid.test.indexer_cases import (
     run_compute_topk,
     to_device,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv.config import IndexerPath, IndexerTopologySettings
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
+    IndexerPath,
+    IndexerTopologySettings,
+    TopologyKVPolicyConfig,
+)
 from rtp_llm.models_py.modules.hybrid.topology_kv.profile import (
     PROFILE_FORMAT,
     PROFILE_VERSION,
@@ -54,6 +58,10 @@ from tools.device_under_test import DEVICE
 
 GOOD_LAYER, BROKEN_LAYER = 4, 5  # layer indices other than 0, so a wrong layer tag shows
 BROKEN_ROWS = (1, 3)  # decode rows whose learned row gets an index at its causal length
+# Every backend gives the same rows and counters (the backend tests); the eager one needs no
+# compile of the fused CPU kernel inside each Bazel sandbox.
+BACKEND = "torch"
+SETTINGS = policy_settings(MERGE, witness_signal="recency", backend=BACKEND)  # recency: no drift tracker
 
 
 def _scrape(address):
@@ -95,7 +103,7 @@ def _decode_step(layers, decode_case, rows_by_layer, step):
 
 
 def test_a_contract_violation_scrapes_as_a_fallback_of_its_layer(decode_case, prometheus):
-    layers = [Indexer(HEADS, DIM, layer_idx=i, topology=policy_settings(MERGE, witness_signal="recency"))
+    layers = [Indexer(HEADS, DIM, layer_idx=i, topology=SETTINGS)
               for i in (GOOD_LAYER, BROKEN_LAYER)]
     rows = {GOOD_LAYER: _decode_rows(decode_case), BROKEN_LAYER: _decode_rows(decode_case, BROKEN_ROWS)}
     step = TopologyStepCounters()
@@ -113,7 +121,7 @@ def test_a_contract_violation_scrapes_as_a_fallback_of_its_layer(decode_case, pr
 
 
 def test_each_call_records_host_values_only(decode_case):
-    layer = Indexer(HEADS, DIM, layer_idx=GOOD_LAYER, topology=policy_settings(MERGE, witness_signal="recency"))
+    layer = Indexer(HEADS, DIM, layer_idx=GOOD_LAYER, topology=SETTINGS)
     rows = {GOOD_LAYER: _decode_rows(decode_case)}
     step = TopologyStepCounters()
     _decode_step([layer], decode_case, rows, step)
@@ -134,7 +142,7 @@ class _CountOps(TorchDispatchMode):
 
 def test_recording_a_call_adds_no_device_op(decode_case):
     """The same layer call runs the same aten ops with and without a step record."""
-    layer = Indexer(HEADS, DIM, layer_idx=GOOD_LAYER, topology=policy_settings(MERGE, witness_signal="recency"))
+    layer = Indexer(HEADS, DIM, layer_idx=GOOD_LAYER, topology=SETTINGS)
     rows = {GOOD_LAYER: _decode_rows(decode_case, BROKEN_ROWS)}
     cache = IndexerKeyCache(torch.zeros(1, PAGE, DIM, device=DEVICE))
     traces = []
@@ -148,7 +156,7 @@ def test_recording_a_call_adds_no_device_op(decode_case):
 
 
 def test_metrics_off_reads_nothing_after_a_real_step(decode_case):
-    layer = Indexer(HEADS, DIM, layer_idx=GOOD_LAYER, topology=policy_settings(MERGE, witness_signal="recency"))
+    layer = Indexer(HEADS, DIM, layer_idx=GOOD_LAYER, topology=SETTINGS)
     step = TopologyStepCounters()
     _decode_step([layer], decode_case, {GOOD_LAYER: _decode_rows(decode_case)}, step)
     with _CountOps() as mode:
@@ -180,14 +188,16 @@ def test_every_skip_reason_is_recorded_and_reported(decode_case, prefill_case, t
     step = TopologyStepCounters()
     rows = {i: _decode_rows(decode_case) for i in (0, 1, 2)}
     profile = _profile(tmp_path)
-    served = Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, topology=IndexerTopologySettings(), topology_profile=profile)
-    skipped = Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=1, topology=IndexerTopologySettings(), topology_profile=profile)
+    base = IndexerTopologySettings(policy=TopologyKVPolicyConfig(backend=BACKEND))
+    served = Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=0, topology=base, topology_profile=profile)
+    skipped = Indexer(HEADS, DIM, WIDTH, PAGE, layer_idx=1, topology=base, topology_profile=profile)
     disabled = Indexer(HEADS, DIM, layer_idx=2, topology=DISABLED)
     _decode_step([served, skipped, disabled], decode_case, rows, step)
-    prefill_only = Indexer(HEADS, DIM, layer_idx=3, topology=policy_settings(MERGE, paths={IndexerPath.PREFILL}))
+    prefill_only = Indexer(HEADS, DIM, layer_idx=3,
+                           topology=policy_settings(MERGE, paths={IndexerPath.PREFILL}, backend=BACKEND))
     _decode_step([prefill_only], decode_case, {3: rows[0]}, step)
     cp, _ = ref.build_cp_params(prefill_case.batch, [], cp_size=2, cp_rank=0)  # a rank without local rows
-    cp_layer = Indexer(HEADS, DIM, layer_idx=4, topology=policy_settings(MERGE))
+    cp_layer = Indexer(HEADS, DIM, layer_idx=4, topology=policy_settings(MERGE, backend=BACKEND))
     assert run_compute_topk(cp_layer, prefill_case, to_device(cp), kv_cache=fill_cache(cp_layer, prefill_case),
                             topology_counters=step) is None
     reasons = {i: c.skip_reason for i, c in step.calls.items()}

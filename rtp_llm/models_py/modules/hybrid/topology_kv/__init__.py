@@ -11,6 +11,7 @@ profile        per-layer structural budgets from an offline calibration
 layer          the per-layer object: validated settings, resolved backend, layout constants
 policy         the public entry ``apply_topology_kv_policy``, counters, the contract check
 request        caller-owned per-request contexts and the per-step plan
+step_record    a layer call's host values (path, mode, rows, skip reason) for the metrics
 drift          block key centroids, drift, the live ``BlockDriftTracker``
 schedule       witness blocks by score and block-to-token expansion (serving)
 row_contract   the coordinate contract's broken-row rules, as device tensors
