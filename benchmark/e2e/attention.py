@@ -49,7 +49,11 @@ class StepPlan:
     # prefill
     prefill_k: Optional[Dict[int, torch.Tensor]] = None  # layer -> [C, Hkv, D]
     prefill_v: Optional[Dict[int, torch.Tensor]] = None
+    prefill_h: Optional[Dict[int, torch.Tensor]] = None  # layer -> [C, hidden] attention inputs (trained indexer)
     position: int = 0
+    # layer -> this forward's attention input [B, T, hidden], handed over by the pre-hook
+    # benchmark.quality.sparse_attention.install_hidden_capture puts on the model
+    layer_hidden: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     timers: Dict[str, float] = dataclasses.field(default_factory=lambda: {p: 0.0 for p in PARTS})
     attended: List[torch.Tensor] = dataclasses.field(default_factory=list)  # tokens attended, per layer
     sparse_attended: List[torch.Tensor] = dataclasses.field(default_factory=list)  # sparse layers only
@@ -125,6 +129,9 @@ def _prefill_attention(plan: StepPlan, layer: int, query, key, value, scale, win
     length = start + T
     plan.prefill_k[layer][start:length] = key[0].transpose(0, 1).to(torch.float32)
     plan.prefill_v[layer][start:length] = value[0].transpose(0, 1).to(torch.float32)
+    hidden = plan.layer_hidden.pop(layer, None)
+    if plan.prefill_h is not None and hidden is not None:
+        plan.prefill_h[layer][start:length] = hidden[0].to(torch.float32)
     k_all = plan.prefill_k[layer][:length].transpose(0, 1)  # [Hkv, L, D]
     v_all = plan.prefill_v[layer][:length].transpose(0, 1)
     pos_q = torch.arange(start, length).unsqueeze(1)
@@ -161,12 +168,17 @@ def _decode_attention(plan: StepPlan, layer: int, query, key, value, scale, wind
     t0 = time.perf_counter()
     q_rows = q.reshape(R, H, D)
     tracker = st.trackers[layer] if indexer.reads_drift else None
+    hidden = plan.layer_hidden.pop(layer, None)
+    if pools.proxy.reads_hidden:  # the trained indexer: q, k and weights from the attention input
+        h = hidden.reshape(R, hidden.shape[-1])  # [B, T, C] -> [R, C], request-major like the rows
+        q_index, index_keys, weights = pools.proxy.from_hidden(indexer, h, plan.positions)
+    else:
+        index_keys, q_index, weights = pools.proxy.keys(k_new), pools.proxy.queries(q_rows), plan.weights
     if indexer.scan or tracker is not None:  # no scan and no drift (recency): no indexer key is read
-        indexer.write_keys(pools.proxy.keys(k_new), pools.index_cache, plan.slots, drift_tracker=tracker,
+        indexer.write_keys(index_keys, pools.index_cache, plan.slots, drift_tracker=tracker,
                            positions=plan.positions, request_ids=plan.request_ids)
-    q_index = pools.proxy.queries(q_rows)
     t1 = time.perf_counter()
-    rows = indexer._compute_topk(q_index, plan.weights, pools.index_cache, plan.fmha, plan.attn, None,
+    rows = indexer._compute_topk(q_index, weights, pools.index_cache, plan.fmha, plan.attn, None,
                                  drift_tracker=tracker, topology_counters=plan.counters)
     t2 = time.perf_counter()
     scan_s = (t1 - t0) + indexer.last_op_s

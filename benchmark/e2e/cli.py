@@ -53,6 +53,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="first decode steps left out of the timings")
     p.add_argument("--budget", type=int, default=1024, help="selected tokens per row W (same for every variant)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"subset of {list(VARIANTS)}")
+    p.add_argument("--indexer", default="trained", choices=("trained", "proxy"),
+                   help="trained: the learned variants rank with the trained indexer (--indexer-checkpoint, default "
+                        "the one shipped for the model); proxy: the untrained proxy of --indexer-preset (a null model)")
+    p.add_argument("--indexer-checkpoint", default=None, metavar="FILE", help="trained indexer checkpoint")
     p.add_argument("--indexer-preset", default="dsa-ratio", choices=PRESETS,
                    help="proxy indexer shape: dsa-ratio (~1/17 of attention per key) or model (own heads)")
     p.add_argument("--indexer-heads", type=int, default=None, help="override the preset's indexer heads")

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from benchmark.e2e.attention import PARTS, PLAN_KWARG, StepPlan, dense_mask
-from benchmark.e2e.indexers import IndexerShape, ProxyIndexer, make_indexer
+from benchmark.e2e.indexers import IndexerShape, ProxyIndexer, TrainedIndexerInputs, make_indexer
 from benchmark.e2e.layout import DEVICE, LayerPools, Layout, VariantState, slots_of
 from benchmark.e2e.memory import measure_step_memory, tensor_bytes
 from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY, step_totals
@@ -50,15 +50,17 @@ def kv_geometry(model):
 def prefill_text(model, tokens: Sequence[int], want: Sequence[int], chunk: int = PREFILL_CHUNK):
     """Dense causal prefill of one text in chunks of ``chunk`` tokens.
 
-    Returns ``(K, V, logits, seconds)``: per layer fp32 ``[C, Hkv, D]`` keys and values,
-    ``logits [len(want), vocab]`` at positions ``want`` (the lm_head runs only there).
+    Returns ``(K, V, logits, seconds, X)``: per layer fp32 ``[C, Hkv, D]`` keys and values,
+    ``logits [len(want), vocab]`` at positions ``want`` (the lm_head runs only there), and
+    per layer the attention inputs ``[C, hidden]`` (what a trained indexer reads).
     """
     H, Hkv, D = kv_geometry(model)
     C = len(tokens)
     layers = attention_layers(model)
     plan = StepPlan("prefill", pools={},
                     prefill_k={i: torch.empty(C, Hkv, D) for i in layers},
-                    prefill_v={i: torch.empty(C, Hkv, D) for i in layers})
+                    prefill_v={i: torch.empty(C, Hkv, D) for i in layers},
+                    prefill_h={i: torch.zeros(C, model.config.hidden_size) for i in layers})
     ids = torch.tensor([list(tokens)])
     want_t = torch.tensor(list(want), dtype=torch.int64)
     logits = torch.empty(len(want), model.config.vocab_size)
@@ -72,7 +74,7 @@ def prefill_text(model, tokens: Sequence[int], want: Sequence[int], chunk: int =
                     use_cache=False, logits_to_keep=keep, **{PLAN_KWARG: plan})
         if sel.numel():
             logits[sel] = out.logits[0].to(torch.float32)
-    return plan.prefill_k, plan.prefill_v, logits, time.perf_counter() - t0
+    return plan.prefill_k, plan.prefill_v, logits, time.perf_counter() - t0, plan.prefill_h
 
 
 @dataclasses.dataclass
@@ -93,11 +95,13 @@ class BatchRun:
 
 @torch.no_grad()
 def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variants: Sequence[str], steps: int,
-                next_n: int, width: int, shape: IndexerShape, prefilled=None) -> BatchRun:
+                next_n: int, width: int, shape: IndexerShape, prefilled=None, trained=None) -> BatchRun:
     """Prefill ``text`` once and lay out ``B`` requests (prefixes of it) for every variant.
 
     ``prefilled``: a :func:`prefill_text` result for ``text[:max(context_lens)]`` whose
     logits positions include every ``c_b - 1`` (reused across batch sizes; not modified).
+    ``trained``: layer -> trained ``IndexerProjections`` (the learned variants rank with
+    them), or None (the untrained proxy of ``shape``).
     """
     H, Hkv, D = kv_geometry(model)
     C = max(context_lens)
@@ -106,7 +110,7 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
     want = [c - 1 for c in context_lens]
     if prefilled is None:
         prefilled = (*prefill_text(model, text[:C], want), want)
-    K, V, logits, prefill_s, positions = prefilled
+    K, V, logits, prefill_s, X, positions = prefilled
     row_of = {p: i for i, p in enumerate(positions)}
     first = [int(logits[row_of[p]].argmax()) for p in want]
     pg = layout.page
@@ -118,10 +122,14 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
     in_shared = pos < torch.tensor(layout.shared_lens, dtype=torch.int64)[req]
     own_req, own_pos = req[~in_shared], pos[~in_shared]  # each variant's private partial blocks
     for layer in attention_layers(model):
-        proxy = ProxyIndexer(shape, H, Hkv, D, K[layer] if shape.dim < Hkv * D else None)
+        if trained is not None:
+            proxy = TrainedIndexerInputs(trained[layer])
+            index_keys = proxy.prefill_keys(X[layer], torch.arange(C))  # [C, Di]
+        else:
+            proxy = ProxyIndexer(shape, H, Hkv, D, K[layer] if shape.dim < Hkv * D else None)
+            index_keys = proxy.keys(K[layer])  # [C, Di]
         pool = LayerPools(torch.zeros(layout.num_blocks, pg, Hkv, D), torch.zeros(layout.num_blocks, pg, Hkv, D),
                           IndexerKeyCache(torch.zeros(layout.num_blocks, pg, shape.dim)), proxy, layout)
-        index_keys = proxy.keys(K[layer])  # [C, Di]
         table0 = states[variants[0]].block_table  # the shared blocks are the same in every table
         shared_slots = slots_of(table0, req[in_shared], pos[in_shared], pg)
         pool.flat(pool.k)[shared_slots] = K[layer][pos[in_shared]]
@@ -131,7 +139,8 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
             slots = slots_of(st.block_table, own_req, own_pos, pg)
             pool.flat(pool.k)[slots] = K[layer][own_pos]
             pool.flat(pool.v)[slots] = V[layer][own_pos]
-            indexer = make_indexer(name, shape, width, layer, DEVICE)
+            indexer = make_indexer(name, shape, width, layer, DEVICE,
+                                   projections=None if trained is None else trained[layer])
             st.indexers[layer] = indexer
             st.trackers[layer] = None
             if indexer is None:

@@ -51,6 +51,7 @@ DSA_INDEXER_MACS = 64 * 128
 DSA_ATTENTION_MACS = 128 * (576 + 512)
 DSA_RATIO = DSA_INDEXER_MACS / DSA_ATTENTION_MACS  # ~1/17
 PRESETS = ("dsa-ratio", "model")
+TRAINED = "trained"  # IndexerShape.preset of a trained checkpoint's shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,11 @@ class IndexerShape:
 
     def describe(self) -> Dict[str, object]:
         return {**dataclasses.asdict(self), "ratio_to_attention": self.ratio_to_attention, "dsa_ratio": DSA_RATIO}
+
+
+def trained_indexer_shape(heads: int, dim: int, H: int, D: int) -> IndexerShape:
+    """The shape record of a trained checkpoint of ``heads`` x ``dim`` (fp8 groups of 128)."""
+    return IndexerShape(TRAINED, heads, dim, min(128, dim), heads * dim, 2 * H * D)
 
 
 def resolve_indexer_shape(preset: str, heads: Optional[int], dim: Optional[int], H: int, Hkv: int,
@@ -97,6 +103,10 @@ def resolve_indexer_shape(preset: str, heads: Optional[int], dim: Optional[int],
 class ProxyIndexer:
     """One layer's proxy indexer projections (module docstring); no trained weights.
 
+    An untrained null model, labelled for what it is: on raw post-RoPE q and k almost every
+    ``relu`` score is exactly 0, so its rows are decided by the top-k's tie rule (lower
+    position first) and drop the newest tokens.
+
     ``projection`` is ``[Hkv * D, Di]`` (None: identity); ``keys_for_fit [L, Hkv, D]``
     (the prefill keys) gives the principal directions when ``Di < Hkv * D``.
     """
@@ -113,6 +123,8 @@ class ProxyIndexer:
             self.projection = vecs[:, -shape.dim:].flip(1).to(torch.float32).contiguous()
         G = H // Hkv
         self.groups = [chunk.tolist() for chunk in torch.arange(G).tensor_split(shape.heads)]
+
+    reads_hidden = False
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.projection is None else x @ self.projection
@@ -131,6 +143,30 @@ class ProxyIndexer:
         if self.shape.heads < G:
             cat = torch.stack([cat[:, g].mean(dim=1) for g in self.groups], dim=1)
         return fp8_e4m3_round_trip(self._project(cat), self.shape.fp8_group)
+
+
+class TrainedIndexerInputs:
+    """One layer's trained indexer (``IndexerProjections``) behind the proxy's place in the pools.
+
+    The variant's ``Indexer`` holds the projections and computes q, k and weights from the
+    layer's attention input (``Indexer.index_inputs``); q and k are then fp8-e4m3
+    round-tripped in 128-value groups once (keys on write), as the proxy's are.
+    """
+
+    reads_hidden = True
+
+    def __init__(self, projections) -> None:
+        self.projections = projections
+
+    def prefill_keys(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``hidden [C, hidden]`` at ``positions [C]`` -> fp32 ``[C, Di]`` (fp8 round-tripped)."""
+        with torch.no_grad():
+            return fp8_e4m3_round_trip(self.projections.keys(hidden, positions))
+
+    def from_hidden(self, indexer: Indexer, hidden: torch.Tensor, positions: torch.Tensor):
+        """``(q [R, Hi, Di], keys [R, Di], weights [R, Hi])`` of the step's rows, through ``indexer``."""
+        q, k, w = indexer.index_inputs(hidden, positions)
+        return fp8_e4m3_round_trip(q), fp8_e4m3_round_trip(k), w
 
 
 class TimedIndexer(Indexer):
@@ -166,7 +202,7 @@ def variant_policy(variant: str) -> Optional[TopologyKVPolicyConfig]:
 
 
 def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
-                 device: torch.device) -> Optional[TimedIndexer]:
+                 device: torch.device, projections=None) -> Optional[TimedIndexer]:
     """The variant's ``Indexer`` for one layer (None for dense).
 
     Built with ``device=``: the policy backend is resolved at construction, so the fused
@@ -177,5 +213,6 @@ def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
     policy = variant_policy(variant)
     settings = IndexerTopologySettings() if policy is None else IndexerTopologySettings(policy=policy)
     return TimedIndexer(shape.heads, shape.dim, width, DEFAULT_BLOCK_SIZE, layer_idx=layer, fp8_emulation=False,
-                        topology=settings, device=device, scan=variant != "topology_only_noscan")
+                        topology=settings, device=device, scan=variant != "topology_only_noscan",
+                        projections=projections)
 

@@ -96,9 +96,13 @@ def load_model(model_path: Optional[str], num_layers: Optional[int]):
     """The quality harness's offline GGUF loader, switched to this module's attention."""
     from benchmark.quality.model import load_gguf_model
 
+    from benchmark.e2e.attention import PLAN_KWARG
+    from benchmark.quality.sparse_attention import install_hidden_capture
+
     loaded = load_gguf_model(model_path, num_layers=num_layers)
     register()
     loaded.model.set_attn_implementation(ATTENTION_NAME)
+    install_hidden_capture(loaded.model, PLAN_KWARG)  # the trained indexer reads the attention's input
     return loaded
 
 
@@ -118,10 +122,11 @@ def prompt_tokens(loaded, novel: str, context: int, data_dir) -> List[int]:
 
 
 def run_one(model, text: Sequence[int], context_lens: Sequence[int], variants: Sequence[str], steps: int,
-            next_n: int, width: int, shape: IndexerShape, warmup: int, on_step=None, log=None, prefilled=None):
+            next_n: int, width: int, shape: IndexerShape, warmup: int, on_step=None, log=None, prefilled=None,
+            trained=None):
     """Prefill (unless ``prefilled``), lay out, decode and summarize one (context, batch, mode)."""
     _, Hkv, D = kv_geometry(model)
-    run = build_batch(model, text, context_lens, variants, steps, next_n, width, shape, prefilled)
+    run = build_batch(model, text, context_lens, variants, steps, next_n, width, shape, prefilled, trained)
     if log:
         log(f"[e2e] context {max(context_lens)} batch {len(context_lens)} rows/request {next_n + 1}: "
             f"dense prefill {run.prefill_s:.1f} s")
@@ -145,8 +150,14 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
     loaded = load_model(args.model, args.num_layers)
     model = loaded.model
     H, Hkv, D = kv_geometry(model)
-    shape = resolve_indexer_shape(args.indexer_preset, args.indexer_heads, args.indexer_dim, H, Hkv, D)
-    log(f"[e2e] proxy indexer {shape.preset}: {shape.heads} heads x {shape.dim} dims = {shape.macs_per_key} "
+    trained, checkpoint = None, None
+    if args.indexer == "trained":
+        trained, checkpoint, shape = load_trained(args, loaded, H, D)
+        what = f"trained indexer {checkpoint}"
+    else:
+        shape = resolve_indexer_shape(args.indexer_preset, args.indexer_heads, args.indexer_dim, H, Hkv, D)
+        what = f"untrained proxy indexer {shape.preset} (a null model: its rows are mostly decided by ties)"
+    log(f"[e2e] {what}: {shape.heads} heads x {shape.dim} dims = {shape.macs_per_key} "
         f"multiply-adds per key, {shape.ratio_to_attention:.3f} of attention's {shape.attention_macs_per_key} "
         f"(DSA: {DSA_RATIO:.3f})")
     try:
@@ -173,17 +184,38 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
                 bar.set_postfix(context=context, batch=batch)
 
         rows += run_one(model, text, lens, args.variants, args.new_tokens, args.next_n, args.budget, shape,
-                        args.warmup, on_step, log, prefilled[1])
+                        args.warmup, on_step, log, prefilled[1], trained)
     if bar is not None:
         bar.close()
     return {
         "environment": environment(),
         "model": loaded.describe(),
-        "indexer": shape.describe(),
+        "indexer": {**shape.describe(), "kind": args.indexer, "checkpoint": checkpoint},
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "merge", "out")},
         "rows": rows,
         "targets": targets(rows),
     }
+
+
+def load_trained(args: argparse.Namespace, loaded, H: int, D: int):
+    """``(layer -> projections, checkpoint path, IndexerShape)``: ``--indexer-checkpoint`` or the shipped one."""
+    from benchmark.e2e.indexers import trained_indexer_shape
+    from benchmark.indexer.checkpoints import load_trained_indexer, resolve_checkpoint
+    from benchmark.quality.paths import user_path
+
+    explicit = None if args.indexer_checkpoint is None else user_path(args.indexer_checkpoint)
+    path = resolve_checkpoint(explicit, loaded.gguf_sha256)
+    if path is None:
+        raise SystemExit(f"error: --indexer-checkpoint: no trained indexer ships for {loaded.gguf_path.name}; train "
+                         "one with benchmark/topology_kv_indexer_train.py, or run the untrained proxy (--indexer proxy)")
+    try:
+        trained, info = load_trained_indexer(path, loaded.gguf_sha256)
+    except ValueError as exc:
+        raise SystemExit(f"error: --indexer-checkpoint: {exc}") from None
+    missing = [i for i in range(loaded.model.config.num_hidden_layers) if i not in trained]
+    if missing:
+        raise SystemExit(f"error: --indexer-checkpoint {path}: no indexer for layers {missing}")
+    return trained, str(path), trained_indexer_shape(info.shape.heads, info.shape.head_dim, H, D)
 
 
 def environment() -> Dict[str, object]:

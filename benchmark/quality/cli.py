@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budgets", default=None, help="comma list of budgets as fractions of the context "
                    "(default 1/16,1/8,1/4)")
     g.add_argument("--selectors", default=None, help="comma list (default: every selector); valid: "
-                   "oracle, learned, learned-lowrank, locality, random, and each enabled policy mode")
+                   "oracle, learned (the trained indexer), proxy, proxy-pca, proxy-lowrank (untrained null models), locality, random, and each enabled policy mode")
     g.add_argument("--full", action="store_true", help="the full grid: contexts 2048,8192 and budgets "
                    "1/32,1/16,1/8,1/4 (hours on 2 cores)")
 
@@ -108,8 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed of the random selector and the weak proxy's projection")
     g.add_argument("--sink-tokens", type=int, default=4, help="locality: first positions kept; also the positions "
                    "the sink-retention metric counts")
-    g.add_argument("--lowrank-dims", type=int, default=4, help="learned-lowrank: dimensions per head")
-    g.add_argument("--no-fp8", action="store_true", help="learned proxies: skip the fp8-e4m3 round trip")
+    g.add_argument("--lowrank-dims", type=int, default=4, help="proxy-lowrank: dimensions per head")
+    g.add_argument("--no-fp8", action="store_true", help="trained indexer and proxies: skip the fp8-e4m3 round trip")
+    g.add_argument("--indexer-checkpoint", default=None, metavar="FILE",
+                   help="the trained indexer 'learned' (and every selector built on it) ranks with "
+                        "(default: the one shipped in benchmark/trained_indexers/ for the model)")
     add_policy_flags(g)  # --policy-<setting> of TopologyKVPolicyConfig, and --policy-witness-signal
     g.add_argument("--policy-mode-settings", action="append", default=[], metavar="MODE:KEY=VALUE,...",
                    help="policy settings for one mode only, e.g. topology_only:block_size=8,local_blocks=8,"
@@ -227,6 +230,7 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         out_dir = check_output_dir("--out-dir", user_path(args.out_dir))
     except FlagError as exc:
         raise UsageError(str(exc)) from None
+    trained, trained_source = resolve_trained_indexer(args.indexer_checkpoint, model_path, selectors)
     policy = policy_settings_from_flags(
         args, mode_overrides=parse_mode_settings(args.policy_mode_settings), scaffold_tokens=args.scaffold_tokens
     )
@@ -246,7 +250,8 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         "model_path": model_path,
         "profile_path": profile_path,
         "selector_settings": SelectorSettings(
-            seed=args.seed, sink_tokens=args.sink_tokens, lowrank_dims=args.lowrank_dims, fp8=not args.no_fp8),
+            seed=args.seed, sink_tokens=args.sink_tokens, lowrank_dims=args.lowrank_dims, fp8=not args.no_fp8,
+            trained=trained, trained_source=trained_source),
         "policy_settings": policy,
         "gate": gate,
         "text_path": text_path,
@@ -257,6 +262,32 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         "data_dir": user_path(args.data_dir) if args.data_dir else default_data_dir(),
         "out_dir": out_dir,
     }
+
+
+def resolve_trained_indexer(flag: Optional[str], model_path: Optional[Path], selectors):
+    """``(layer -> projections, source)`` of the trained indexer, or ``(None, "")`` when no
+    selector needs one and none was asked for; checked against the model before it loads."""
+    from benchmark.indexer.checkpoints import load_trained_indexer, resolve_checkpoint
+    from benchmark.quality.model import default_gguf_path
+    from benchmark.quality.selectors import needs_trained_indexer
+
+    needed = needs_trained_indexer(selectors)
+    if flag is None and not needed:
+        return None, ""
+    gguf = model_path if model_path is not None else default_gguf_path()
+    sha = file_sha256(gguf)
+    path = resolve_checkpoint(None if flag is None else user_path(flag), sha)
+    if path is None:
+        raise UsageError(
+            f"--indexer-checkpoint: no trained indexer ships for {gguf.name} (sha256 {sha[:12]}...); train one with "
+            f"`python benchmark/topology_kv_indexer_train.py --model {gguf} --out FILE` and pass --indexer-checkpoint "
+            "FILE, or run only selectors that need none (oracle, proxy, proxy-pca, proxy-lowrank, locality, random, "
+            "topology_only)")
+    try:
+        trained, _ = load_trained_indexer(path, sha)
+    except ValueError as exc:
+        raise UsageError(f"--indexer-checkpoint: {exc}") from None
+    return trained, str(path)
 
 
 def parse_metric_stride(value: str) -> Optional[int]:
@@ -348,6 +379,10 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             raise UsageError(f"--contexts: {ctx} exceeds the model's max_position_embeddings {max_pos}")
     if not lm.full_attention_layers:
         raise UsageError("--model: the model has no full-attention layer to make sparse")
+    trained = cfg["selector_settings"].trained
+    if trained is not None and not set(lm.full_attention_layers) <= set(trained):
+        raise UsageError(f"--indexer-checkpoint {cfg['selector_settings'].trained_source}: no indexer for layers "
+                         f"{sorted(set(lm.full_attention_layers) - set(trained))}")
     profile = None
     if cfg["profile_path"] is not None:
         from benchmark.quality.calibration import model_fingerprint
@@ -408,7 +443,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
                  "selectors": list(cfg["selectors"]), "query_chunk": args.query_chunk,
                  "logits_chunk": args.logits_chunk,
                  "metric_stride": _metric_strides(grid_settings, cfg["contexts"])},
-        "selector_settings": vars(cfg["selector_settings"]),
+        "selector_settings": {k: v for k, v in vars(cfg["selector_settings"]).items() if k != "trained"},
         "policy_settings": vars(cfg["policy_settings"]),
         "gate_thresholds": {k: str(v) for k, v in vars(cfg["gate"]).items()},
         "seeds": {"selector_seed": args.seed, "window_seed": args.window_seed},

@@ -1,15 +1,17 @@
-"""Indexer failure modes: the proxy indexer degraded in ways real indexers fail.
+"""Indexer failure modes: the trained indexer degraded in ways real indexers fail.
 
-Each mode changes how the ``learned`` proxy (:func:`~benchmark.quality.selector_base.learned_rows_and_scores`)
-scores keys, and leaves the engine's row convention alone (short rows stay dense):
+Each mode changes how the trained indexer (``learned``,
+:func:`~benchmark.quality.selector_base.learned_rows_and_scores`) scores keys, and leaves
+the engine's row convention alone (short rows stay dense):
 
 * ``noisy``   index scores plus Gaussian noise at signal-to-noise ratio ``noise_snr``
               (power ratio: noise std = row score std / sqrt(snr)), seeded per layer;
 * ``nosink``  never selects the first ``drop_tokens`` positions (unless a row has fewer
               than W other positions): the reported failure of indexers that drop the
               attention-sink tokens once the context passes W;
-* ``stale``   ranks with the keys of the previous full-attention layer (an indexer whose
-              key cache lags a layer behind); the first layer uses its own keys.
+* ``stale``   ranks with the index keys of the previous full-attention layer (an indexer
+              whose key cache lags a layer behind, or a layer reusing another's keys);
+              the first layer uses its own keys.
 
 Selectors ``learned-<mode>`` expose each degraded indexer, and ``learned-<mode>+<policy
 mode>`` the policy applied on top of it (:mod:`benchmark.quality.policy_selectors`).
@@ -27,10 +29,10 @@ from benchmark.quality.layer import LayerInputs
 from benchmark.quality.selector_base import (
     Selector,
     SelectorSettings,
-    indexer_inputs,
     layer_generator,
-    proxy_index_scores,
     top_rows_by_chunk,
+    trained_index_scores,
+    trained_indexer_inputs,
 )
 
 FAILURE_MODES = ("noisy", "nosink", "stale")
@@ -54,17 +56,18 @@ class FailureSettings:
 
 
 class StaleKeys:
-    """Keys of the previous full-attention layer within one forward (per selector)."""
+    """Index keys of the previous full-attention layer within one forward (per selector)."""
 
     def __init__(self) -> None:
         self._last: Optional[Tuple[int, torch.Tensor]] = None
 
-    def swap(self, layer: LayerInputs) -> torch.Tensor:
-        """The keys to rank with at ``layer``, remembering this layer's for the next one."""
+    def swap(self, layer_idx: int, keys: torch.Tensor) -> torch.Tensor:
+        """The index keys to rank with at layer ``layer_idx`` (its own: ``keys``), remembering
+        them for the next layer."""
         prev = self._last
-        self._last = (layer.layer_idx, layer.key)
-        if prev is None or prev[0] >= layer.layer_idx or prev[1].shape != layer.key.shape:
-            return layer.key  # first layer of a forward: nothing older to use
+        self._last = (layer_idx, keys)
+        if prev is None or prev[0] >= layer_idx or prev[1].shape != keys.shape:
+            return keys  # first layer of a forward: nothing older to use
         return prev[1]
 
 
@@ -76,19 +79,19 @@ def degraded_rows_and_scores(
     failure: FailureSettings,
     stale: Optional[StaleKeys] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Rows and scores of the ``kind`` degraded proxy indexer (same contract as the proxy)."""
+    """Rows and scores of the ``kind`` degraded trained indexer (same contract as ``learned``)."""
     if kind not in FAILURE_MODES:
         raise UsageError(f"failure mode: expected one of {list(FAILURE_MODES)}, got {kind!r}")
+    q, weights, keys = trained_indexer_inputs(layer, settings)
     if kind == "stale":
         if stale is None:
             raise ValueError("stale: needs a StaleKeys memory")
-        layer = dataclasses.replace(layer, key=stale.swap(layer))
-    q, k = indexer_inputs(layer, settings, lowrank=False)
-    proxy_scores = proxy_index_scores(layer, q, k)
+        keys = stale.swap(layer.layer_idx, keys)
+    base_scores = trained_index_scores(q, weights, keys)
     gen = layer_generator(settings.seed + 7919, layer.layer_idx)
 
     def chunk_scores(c0, c1, lc):
-        s = proxy_scores(c0, c1, lc)  # [Tc, lc]
+        s = base_scores(c0, c1, lc)  # [Tc, lc]
         if kind == "noisy":
             std = s.std(dim=-1, keepdim=True) / failure.noise_snr**0.5
             s = s + torch.randn(s.shape, generator=gen).to(s.device) * std
@@ -102,7 +105,7 @@ def degraded_rows_and_scores(
 
 
 def make_degraded_learned(kind: str, settings: SelectorSettings, failure: FailureSettings) -> Selector:
-    """Selector ``learned-<kind>``: the degraded proxy's rows."""
+    """Selector ``learned-<kind>``: the degraded trained indexer's rows."""
     stale = StaleKeys()
 
     def select_degraded(layer: LayerInputs, width: int, stats: Dict[str, float]) -> torch.Tensor:

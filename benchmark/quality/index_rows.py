@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from rtp_llm.models_py.modules.hybrid.topology_kv.row_contract import VIOLATIONS, row_violations
+from rtp_llm.models_py.modules.hybrid.topology_kv.schedule import score_sort_keys
 
 
 def causal_lengths(num_queries: int, key_length: int, device=None) -> torch.Tensor:
@@ -45,14 +46,9 @@ def rows_from_scores(scores: torch.Tensor, lengths: torch.Tensor, width: int) ->
     Returns
     -------
     int32 ``[T, W]``: short rows (``len <= W``) dense; long rows the ``W`` highest
-    scores in descending order. Ties: whichever ``torch.topk`` returns (unspecified).
-
-    Not ``indexer_torch_ops.topk_from_window_scores``, on purpose: the same convention,
-    but that one breaks score ties towards the lower position, and the harness's numbers
-    were measured with ``torch.topk``'s choice. The learned proxy ties often (its relu
-    zeroes every key that no head likes): on SmolLM2 over 512 tokens, the production
-    tie rule selects a different key set in 11-32 % of the ``learned`` rows at W 32-128,
-    which would move every learned, policy and failure-mode figure.
+    scores in descending order, ties to the lower position: the engine's tie rule
+    (``indexer_torch_ops.topk_from_window_scores``), which decides most of an untrained
+    relu proxy's row (its relu zeroes every key no head likes).
     """
     T, Lc = scores.shape
     out = dense_rows(lengths, width)
@@ -60,8 +56,18 @@ def rows_from_scores(scores: torch.Tensor, lengths: torch.Tensor, width: int) ->
         return out  # every row is short
     col = torch.arange(Lc, device=scores.device).unsqueeze(0)  # [1, Lc]
     masked = scores.masked_fill(col >= lengths.unsqueeze(1), float("-inf"))
-    top = torch.topk(masked, width, dim=-1).indices.to(torch.int32)  # [T, W]
+    top = engine_topk(masked, width).to(torch.int32)  # [T, W]
     return torch.where((lengths > width).unsqueeze(1), top, out)
+
+
+def engine_topk(scores: torch.Tensor, width: int) -> torch.Tensor:
+    """int64 ``[T, W]`` column indices of the ``W`` highest of ``scores [T, Lc]``, descending,
+    ties to the lower column (the engine's rule: unique keys of the score's bits, then the
+    column reversed; ``-inf`` and NaN rank last)."""
+    Lc = scores.shape[-1]
+    reverse = Lc - 1 - torch.arange(Lc, device=scores.device)  # [Lc]: a lower column wins a tie
+    keys = score_sort_keys(scores, reverse.unsqueeze(0).expand_as(scores))
+    return torch.topk(keys, width, dim=-1).indices
 
 
 def rows_to_mask(rows: torch.Tensor, key_length: int) -> torch.Tensor:

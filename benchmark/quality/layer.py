@@ -40,6 +40,9 @@ class LayerInputs:
     softcap : logit soft-capping (``tanh(s / c) * c``) or None
     allowed : bool ``[T, L]`` mask the model built (padding, ...) or None = causal
     query_chunk : rows per chunk of the chunked computations
+    hidden : fp32 ``[L, C]`` the attention's input (after the layer's input norm) at every
+        key position, what a trained indexer reads; None where the forward did not
+        capture it (:func:`~benchmark.quality.sparse_attention.install_hidden_capture`)
     """
 
     layer_idx: int
@@ -51,16 +54,25 @@ class LayerInputs:
     softcap: Optional[float] = None
     allowed: Optional[torch.Tensor] = None
     query_chunk: int = DEFAULT_QUERY_CHUNK
+    hidden: Optional[torch.Tensor] = None
 
     @classmethod
-    def build(cls, layer_idx, query, key, value, scaling, softcap=None, allowed=None, query_chunk=DEFAULT_QUERY_CHUNK):
-        """From fp32 ``[H, T, D]`` / ``[Hkv, L, D]`` tensors; lengths from the shapes."""
+    def build(cls, layer_idx, query, key, value, scaling, softcap=None, allowed=None, query_chunk=DEFAULT_QUERY_CHUNK,
+              hidden=None):
+        """From fp32 ``[H, T, D]`` / ``[Hkv, L, D]`` tensors (and ``hidden [L, C]``); lengths from the shapes."""
         H, T, D = query.shape
         Hkv, L, _ = key.shape
         if H % Hkv:
             raise ValueError(f"query heads {H} is not a multiple of key/value heads {Hkv}")
+        if hidden is not None and hidden.shape[0] != L:
+            raise ValueError(f"hidden: expected [{L}, C] (one row per key position), got {list(hidden.shape)}")
         return cls(layer_idx, query, key, value, causal_lengths(T, L, query.device), float(scaling),
-                   softcap, allowed, query_chunk)
+                   softcap, allowed, query_chunk, hidden)
+
+    @property
+    def key_positions(self) -> torch.Tensor:
+        """int64 ``[L]``: the absolute position of each key (the window starts at 0)."""
+        return torch.arange(self.key_length, device=self.query.device)
 
     @property
     def num_queries(self) -> int:

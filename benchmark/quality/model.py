@@ -132,6 +132,7 @@ def load_gguf_model(gguf_path: Optional[Path] = None, *, num_layers: Optional[in
     model.eval()
     if num_layers is not None:
         truncate_decoder_layers(model, num_layers)
+    sparse_attention.install_hidden_capture(model)  # the trained indexer reads the attention's input
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -229,18 +229,31 @@ def layer_witness_scores(layer: LayerInputs, block_size: int, signal: str) -> Tu
     return witness.query_centroid_scores(query, cents), False  # [T, N]
 
 
+def no_scan_rows(layer: LayerInputs, width: int):
+    """``(rows, None)`` of an indexer that reads no key: ``0 .. len - 1`` for rows of length
+    ``<= W``, ``-1`` for longer ones (what ``topology_only`` without a scan gets)."""
+    from benchmark.quality.index_rows import dense_rows
+
+    rows = dense_rows(layer.lengths, width)
+    return torch.where((layer.lengths > width).unsqueeze(1), -1, rows).to(torch.int32), None
+
+
 def make_policy_selector(
     mode: str, settings: SelectorSettings, policy_settings: PolicySettings = None, base_rows=None
 ) -> Selector:
-    """Selector applying policy ``mode`` to the proxy indexer's rows (see module doc).
+    """Selector applying policy ``mode`` to the trained indexer's rows (see module doc).
 
-    ``base_rows(layer, width) -> (rows, scores)`` replaces the proxy (a degraded indexer,
-    :mod:`benchmark.quality.failure_modes`); None = the proxy itself.
+    ``base_rows(layer, width) -> (rows, scores)`` replaces the trained indexer (a degraded
+    one, :mod:`benchmark.quality.failure_modes`); None = the trained indexer itself, or,
+    for ``topology_only`` (whose rows do not depend on the indexer's), no indexer at all:
+    the engine's short-row convention and ``-1`` rows, as a deployment without a scan.
     """
     policy, _ = _policy()
     policy_settings = (policy_settings or PolicySettings()).for_mode(mode)
     config = policy_settings.config(mode)
-    if base_rows is None:
+    if base_rows is None and mode == "topology_only":
+        base_rows = no_scan_rows
+    elif base_rows is None:
         base_rows = lambda layer, width: learned_rows_and_scores(layer, width, settings)  # noqa: E731
     if not config.enabled:
         raise UsageError(f"--selectors: policy mode {mode!r} is disabled (it returns the learned rows: use 'learned')")

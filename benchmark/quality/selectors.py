@@ -23,6 +23,8 @@ from benchmark.quality.selector_base import (
     SelectorSettings,
     layer_generator,
     learned_rows_and_scores,
+    pca_proxy_rows_and_scores,
+    proxy_rows_and_scores,
     top_rows_by_chunk,
 )
 
@@ -56,18 +58,30 @@ def select_oracle_reference(layer: LayerInputs, width: int, stats: Dict[str, flo
     return top_rows_by_chunk(layer, width, lambda c0, c1, lc: layer.dense_probabilities(c0, c1, lc).sum(dim=0))[0]
 
 
-# ------------------------------------------------------------------------ learned proxies
+# ------------------------------------------------------------------ the trained indexer
 
 
-def make_learned(settings: SelectorSettings, lowrank: bool = False) -> Selector:
+def make_learned(settings: SelectorSettings) -> Selector:
     def select_learned(layer: LayerInputs, width: int, stats: Dict[str, float]) -> torch.Tensor:
-        return learned_rows_and_scores(layer, width, settings, lowrank)[0]
+        return learned_rows_and_scores(layer, width, settings)[0]
 
     select_learned.__doc__ = learned_rows_and_scores.__doc__
     return select_learned
 
 
 # ----------------------------------------------------------------------------- null models
+
+
+def make_proxy(settings: SelectorSettings, kind: str = "proxy") -> Selector:
+    """The untrained proxies (null models): ``proxy`` (own q.k), ``proxy-lowrank``, ``proxy-pca``."""
+
+    def select_proxy(layer: LayerInputs, width: int, stats: Dict[str, float]) -> torch.Tensor:
+        if kind == "proxy-pca":
+            return pca_proxy_rows_and_scores(layer, width, settings)[0]
+        return proxy_rows_and_scores(layer, width, settings, lowrank=kind == "proxy-lowrank")[0]
+
+    select_proxy.__doc__ = (pca_proxy_rows_and_scores if kind == "proxy-pca" else proxy_rows_and_scores).__doc__
+    return select_proxy
 
 
 def make_locality(settings: SelectorSettings) -> Selector:
@@ -101,7 +115,9 @@ def make_random(settings: SelectorSettings) -> Selector:
 
 # ----------------------------------------------------------------------------- registry
 
-BUILTIN_SELECTORS = ("oracle", "learned", "learned-lowrank", "locality", "random")
+BUILTIN_SELECTORS = ("oracle", "learned", "proxy", "proxy-pca", "proxy-lowrank", "locality", "random")
+# The untrained proxies: named null models, labelled for what they are (docs/quality.md).
+PROXY_SELECTORS = ("proxy", "proxy-pca", "proxy-lowrank")
 TEST_ONLY_SELECTORS = ("all",)
 # The policy with a calibrated per-layer profile (docs/profile.md); only with ``--profile FILE``.
 # "profile" runs the profile's own mode; "profile:<mode>" another mode it serves (a merge
@@ -123,9 +139,21 @@ def profile_selector_mode(name: str) -> Optional[str]:
     return None
 
 
+# The default run: the trained indexer, the own-q.k proxy beside it, and the null models;
+# proxy-pca and proxy-lowrank are opt-in (--selectors).
+DEFAULT_BUILTIN_SELECTORS = ("oracle", "learned", "proxy", "locality", "random")
+# Selectors that rank without the trained indexer (everything else starts from its rows).
+INDEXER_FREE_SELECTORS = ("oracle", "locality", "random", "all", "topology_only") + PROXY_SELECTORS
+
+
 def available_selectors() -> Tuple[str, ...]:
-    """Built-in selector names, then one per enabled policy mode (when the policy imports)."""
-    return BUILTIN_SELECTORS + policy_selectors.policy_mode_names()
+    """The default selector names, then one per enabled policy mode (when the policy imports)."""
+    return DEFAULT_BUILTIN_SELECTORS + policy_selectors.policy_mode_names()
+
+
+def needs_trained_indexer(names) -> bool:
+    """Whether any of the selector ``names`` ranks with (or starts from) the trained indexer."""
+    return any(n not in INDEXER_FREE_SELECTORS for n in names)
 
 
 def make_selector(
@@ -152,8 +180,8 @@ def make_selector(
         return select_oracle
     if key == "learned":
         return make_learned(settings)
-    if key == "learned-lowrank":
-        return make_learned(settings, lowrank=True)
+    if key in PROXY_SELECTORS:
+        return make_proxy(settings, key)
     if key == "locality":
         return make_locality(settings)
     if key == "random":
@@ -173,7 +201,7 @@ def make_selector(
                 kind, layer, width, settings, failure, stale
             )
             return policy_selectors.make_policy_selector(mode, settings, policy_settings, base_rows=base)
-    valid = ", ".join(available_selectors() + TEST_ONLY_SELECTORS)
+    valid = ", ".join(BUILTIN_SELECTORS + policy_selectors.policy_mode_names() + TEST_ONLY_SELECTORS)
     raise UsageError(f"--selectors: unknown selector {name!r}; expected one of [{valid}]")
 
 
@@ -188,7 +216,7 @@ def resolve_selector_names(names: Optional[str]) -> Tuple[str, ...]:
     if names is None or names.strip().lower() in ("", "default", "all-selectors"):
         return available_selectors()
     out = []
-    valid = available_selectors() + TEST_ONLY_SELECTORS + (PROFILE_SELECTOR,)
+    valid = BUILTIN_SELECTORS + policy_selectors.policy_mode_names() + TEST_ONLY_SELECTORS + (PROFILE_SELECTOR,)
     for raw in names.split(","):
         key = raw.strip().lower()
         if not key:

@@ -27,6 +27,7 @@ argument that transformers passes down to every attention call::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Dict, FrozenSet, Optional
 
@@ -75,6 +76,9 @@ class SparsePlan:
         ``attention`` (selection masks and sparse attention), ``metrics`` (the dense
         comparison); see :data:`STAGES`
     on_layer : called with the layer index after each sparse layer (progress output), or None
+    layer_hidden : layer -> the attention input ``[L, C]`` of this forward, filled by the
+        hook :func:`install_hidden_capture` puts on the model and taken by the attention
+        call of the same layer (what a trained indexer reads)
     """
 
     selector: object
@@ -89,6 +93,10 @@ class SparsePlan:
     sparse_layers: list = dataclasses.field(default_factory=list)
     stage_seconds: Dict[str, float] = dataclasses.field(default_factory=dict)
     on_layer: Optional[Callable[[int], None]] = None
+    layer_hidden: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def wants_hidden(self, layer_idx: int) -> bool:
+        return layer_idx in self.full_attention_layers
 
 
 def register() -> None:
@@ -100,6 +108,44 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
+def install_hidden_capture(model, plan_kwarg: str = PLAN_KWARG) -> int:
+    """Give every attention module of ``model`` a pre-hook that hands its input to the plan.
+
+    The trained indexer reads the attention's input ``x`` (after the layer's input norm),
+    which the attention function itself never sees: a forward pre-hook on each module
+    that has a ``layer_idx`` and an attention ``forward(hidden_states, ...)`` stores a
+    reference to ``hidden_states`` (``[B, T, C]``) in ``plan.layer_hidden[layer_idx]``
+    when the call carries a plan under the keyword ``plan_kwarg`` that has a
+    ``layer_hidden`` dict (and, if it has one, whose ``wants_hidden(layer_idx)`` is true).
+    No plan: nothing happens; no copy is ever made. Idempotent per keyword; returns the
+    number of modules hooked.
+    """
+    count = 0
+    for module in model.modules():
+        if not hasattr(module, "layer_idx") or not type(module).__name__.endswith("Attention"):
+            continue
+        hooks = module.__dict__.setdefault("_topology_kv_hidden_hooks", {})
+        if plan_kwarg not in hooks:
+            hooks[plan_kwarg] = module.register_forward_pre_hook(
+                functools.partial(_stash_hidden, plan_kwarg), with_kwargs=True)
+        count += 1
+    return count
+
+
+def _stash_hidden(plan_kwarg, module, args, kwargs):
+    plan = kwargs.get(plan_kwarg)
+    store = getattr(plan, "layer_hidden", None)
+    if store is None:
+        return None
+    wants = getattr(plan, "wants_hidden", None)
+    if wants is not None and not wants(module.layer_idx):
+        return None
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if hidden is not None:
+        store[module.layer_idx] = hidden
+    return None
+
+
 def _allowed_from_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The model's ``[B, 1, T, L]`` mask (bool, or additive float) as bool ``[T, L]``; None = causal."""
     if attention_mask is None:
@@ -108,7 +154,7 @@ def _allowed_from_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch
     return m if m.dtype == torch.bool else m == 0
 
 
-def _layer_inputs(module, query, key, value, attention_mask, scaling, softcap, query_chunk) -> LayerInputs:
+def _layer_inputs(module, query, key, value, attention_mask, scaling, softcap, query_chunk, hidden=None) -> LayerInputs:
     if query.shape[0] != 1:
         raise ValueError(f"topology_kv_quality attention: expected batch 1 (one request), got {query.shape[0]}")
     D = query.shape[-1]
@@ -121,7 +167,12 @@ def _layer_inputs(module, query, key, value, attention_mask, scaling, softcap, q
         softcap=softcap,
         allowed=_allowed_from_mask(attention_mask),
         query_chunk=query_chunk,
+        hidden=None if hidden is None else hidden.to(torch.float32),
     )
+
+
+def _first_request(hidden: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if hidden is None else hidden[0]  # [1, T, C] -> [T, C] (the harness runs batch 1)
 
 
 def chunked_dense_attention(layer: LayerInputs) -> torch.Tensor:
@@ -293,7 +344,8 @@ def topology_kv_attention(module, query, key, value, attention_mask, scaling=Non
     )
     if not sparse:
         return _model_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
-    layer = _layer_inputs(module, query, key, value, attention_mask, scaling, kwargs.get("softcap"), plan.query_chunk)
+    layer = _layer_inputs(module, query, key, value, attention_mask, scaling, kwargs.get("softcap"), plan.query_chunk,
+                          hidden=_first_request(plan.layer_hidden.pop(layer_idx, None)))
     stats = plan.selector_stats.setdefault(layer_idx, {})
     timed = plan.stage_seconds
     start = time.perf_counter()

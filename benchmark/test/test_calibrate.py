@@ -29,17 +29,20 @@ from benchmark.quality.calibration import (
 from benchmark.quality.metrics import LayerMetrics
 from benchmark.quality.model import LoadedModel, full_attention_layers
 from benchmark.quality.sparse_attention import sparse_layer_attention
-from benchmark.quality.synthetic import synthetic_layer
+from benchmark.quality.synthetic import synthetic_layer, synthetic_settings
 from benchmark.quality.text import sample_windows
 from rtp_llm.models_py.modules.hybrid.indexer import Indexer
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import IndexerTopologySettings
 from rtp_llm.models_py.modules.hybrid.topology_kv.profile import load_topology_profile
 
+SETTINGS = synthetic_settings()
 # Width 37: long rows (>37) and dense ones in the first chunk of 64; T = 150: a partial chunk.
 WIDTH = 37
 SMALL = CalibrationSettings(contexts=(150,), budgets=(Fraction(1, 4),), shares=(Fraction(1, 8), Fraction(1, 4)),
                             component_sets=parse_components("sinks,local,sinks+local+witnesses"), block_size=8,
-                            sink_tokens=4, local_blocks=1, witness_blocks=1)
+                            sink_tokens=4, local_blocks=1, witness_blocks=1,
+                            # the trained indexer of the synthetic layers and the tiny model: seeded random
+                            selector_settings=synthetic_settings())
 
 
 def _gen(seed):
@@ -115,6 +118,7 @@ def _tiny_model():
                       layer_types=["full_attention", "sliding_attention", "full_attention"])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=sparse_attention.ATTENTION_NAME).eval()
+    sparse_attention.install_hidden_capture(model)
     return LoadedModel(model=model, tokenizer=None, gguf_path=None, gguf_sha256="0f" * 32,
                        full_attention_layers=full_attention_layers(model.config))
 
@@ -155,7 +159,7 @@ def test_calibrating_a_tiny_model_gives_a_profile_serving_accepts(tmp_path):
     from benchmark.quality.runner import GridSettings, run_grid
 
     grid_settings = GridSettings(contexts=(192,), budgets=(Fraction(1, 4),), selectors=("learned", "profile"),
-                                 profile=loaded)
+                                 selector_settings=SETTINGS, profile=loaded)
     grid = run_grid(lm, {192: windows[192]}, grid_settings, progress=False)
     learned_ppl, profile_ppl = (grid.cell(192, Fraction(1, 4), n).ppl for n in ("learned", "profile"))
     skipped_all = all(profile["layers"][str(layer)]["1/4"]["max_structural_fraction"] == 0 for layer in (0, 2))
@@ -214,7 +218,7 @@ def test_quality_cli_rejects_profile_flags_before_loading(tmp_path):
 def test_profile_selector_takes_each_layers_entry():
     from benchmark.quality.policy_selectors import PolicySettings, make_policy_selector
     from benchmark.quality.profile_selectors import make_profile_selector
-    from benchmark.quality.selector_base import SelectorSettings, learned_rows_and_scores
+    from benchmark.quality.selector_base import learned_rows_and_scores
     from rtp_llm.models_py.modules.hybrid.topology_kv.profile import ModelFingerprint, parse_topology_profile
 
     sinks = {"max_structural_fraction": 0.25, "sink_tokens": 4, "local_blocks": 0, "witness_blocks": 0}
@@ -226,28 +230,28 @@ def test_profile_selector_takes_each_layers_entry():
         "settings": {"policy": "topology_sparse_merge", "block_size": 8, "contexts": [150], "budgets": ["1/4"]},
         "layers": {"0": {"1/4": skip}, "2": {"1/4": sinks}},
     }, model_fingerprint=fingerprint)
-    selector = make_profile_selector(profile, SelectorSettings())
+    selector = make_profile_selector(profile, SETTINGS)
     skipped, kept = synthetic_layer(seed=6, layer_idx=0), synthetic_layer(seed=6, layer_idx=2)
-    assert torch.equal(selector(skipped, WIDTH, {}), learned_rows_and_scores(skipped, WIDTH, SelectorSettings())[0])
-    expected = make_policy_selector("topology_sparse_merge", SelectorSettings(),
+    assert torch.equal(selector(skipped, WIDTH, {}), learned_rows_and_scores(skipped, WIDTH, SETTINGS)[0])
+    expected = make_policy_selector("topology_sparse_merge", SETTINGS,
                                     PolicySettings(block_size=8, sink_blocks=0, **sinks))(kept, WIDTH, {})
     out = selector(kept, WIDTH, {})
     assert torch.equal(out, expected)
-    assert not torch.equal(out, learned_rows_and_scores(kept, WIDTH, SelectorSettings())[0])
+    assert not torch.equal(out, learned_rows_and_scores(kept, WIDTH, SETTINGS)[0])
     assert bool((out[WIDTH:, :] == 0).any(dim=1).all()), "long rows keep sink token 0"
     # The same structure under the other merge mode (with a scaffold, compress differs).
     from benchmark.quality.selectors import make_selector
 
     scaffold = PolicySettings(scaffold_tokens=16)
-    compress = make_selector("profile:topology_compress_sparse", SelectorSettings(), scaffold, profile=profile)
-    expected = make_policy_selector("topology_compress_sparse", SelectorSettings(),
+    compress = make_selector("profile:topology_compress_sparse", SETTINGS, scaffold, profile=profile)
+    expected = make_policy_selector("topology_compress_sparse", SETTINGS,
                                     PolicySettings(block_size=8, sink_blocks=0, scaffold_tokens=16, **sinks))(kept, WIDTH, {})
     assert torch.equal(compress(kept, WIDTH, {}), expected)
-    assert torch.equal(compress(skipped, WIDTH, {}), learned_rows_and_scores(skipped, WIDTH, SelectorSettings())[0])
+    assert torch.equal(compress(skipped, WIDTH, {}), learned_rows_and_scores(skipped, WIDTH, SETTINGS)[0])
     from benchmark.quality.errors import UsageError
 
     with pytest.raises(UsageError, match="'profile:topology_only': .*calibrated 'topology_sparse_merge'"):
-        make_selector("profile:topology_only", SelectorSettings(), profile=profile)
+        make_selector("profile:topology_only", SETTINGS, profile=profile)
 
 
 # ------------------------------------------------------------------------- topology_only
@@ -329,7 +333,8 @@ def test_a_topology_only_profile_is_served_and_never_worse_than_locality_by_cons
         assert indexer.topology.policy.sink_tokens == profile["layers"][str(layer)]["1/4"]["sink_tokens"]
         assert not indexer.reads_drift  # recency witnesses: no drift tracker
     grid = run_grid(lm, windows, GridSettings(contexts=(192,), budgets=(Fraction(1, 4),),
-                                              selectors=("locality", "profile"), profile=loaded), progress=False)
+                                              selectors=("locality", "profile"), selector_settings=SETTINGS,
+                                              profile=loaded), progress=False)
     loc, prof = (grid.cell(192, Fraction(1, 4), n).ppl for n in ("locality", "profile"))
     all_default = all(profile["layers"][str(i)]["1/4"]["sink_tokens"] == 4 for i in (0, 2))
     assert (loc == prof) == all_default, (loc, prof, all_default)

@@ -28,7 +28,7 @@ from benchmark.quality.selector_base import SelectorSettings, fp8_per_vector_rou
 from benchmark.quality.selectors import BUILTIN_SELECTORS, available_selectors, make_selector
 from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan, sparse_layer_attention, topology_kv_attention
 from benchmark.quality.sample_text import PRIDE_AND_PREJUDICE_OPENING
-from benchmark.quality.synthetic import synthetic_layer
+from benchmark.quality.synthetic import synthetic_layer, synthetic_settings
 from benchmark.quality.text import reflow, sample_windows
 
 # Opening of Pride and Prejudice (public domain), enough for NUM_TOKENS tokens.
@@ -51,6 +51,17 @@ def _gen(seed: int) -> torch.Generator:
 @pytest.fixture(scope="module")
 def lm():
     return load_gguf_model(num_layers=NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def trained_settings(lm):
+    """SelectorSettings with the trained indexer shipped for SmolLM2 (benchmark/trained_indexers/)."""
+    from benchmark.indexer.checkpoints import find_shipped_checkpoint, load_trained_indexer
+
+    path = find_shipped_checkpoint(lm.gguf_sha256)
+    assert path is not None, "the SmolLM2 trained indexer must ship in benchmark/trained_indexers/"
+    trained, _ = load_trained_indexer(path, lm.gguf_sha256)
+    return SelectorSettings(trained=trained, trained_source=str(path))
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +216,7 @@ def test_other_model_layouts(family, config, reference_impl, full_layers):
 def test_sparse_attention_and_metrics_match_reference(selector_name, width, softcap):
     # 150 queries in chunks of 64 (partial last chunk), GQA 3:1; softcap -> the eager path.
     layer = dataclasses.replace(synthetic_layer(seed=4, layer_idx=4), softcap=softcap)
-    rows = make_selector(selector_name, SelectorSettings())(layer, width, {})
+    rows = make_selector(selector_name, synthetic_settings())(layer, width, {})
     metrics = LayerMetrics()
     out = sparse_layer_attention(layer, rows, width, metrics, sink_tokens=4)
     ref_out, ref_metrics = reference_layer_attention(layer, rows, width, sink_tokens=4)
@@ -225,9 +236,9 @@ def test_sparse_attention_and_metrics_match_reference(selector_name, width, soft
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-def test_selectors_follow_engine_convention_on_real_layers(real_layers, width):
+def test_selectors_follow_engine_convention_on_real_layers(real_layers, trained_settings, width):
     for name in _all_selector_names():
-        selector = make_selector(name, SelectorSettings())
+        selector = make_selector(name, trained_settings)
         # The engine's top-k sorts short rows; the policy's contract only keeps them a prefix.
         ascending = name in BUILTIN_SELECTORS
         for layer in real_layers:
@@ -238,22 +249,22 @@ def test_selectors_follow_engine_convention_on_real_layers(real_layers, width):
             _reference_check_rows(rows, layer.lengths, width, ascending)
 
 
-@pytest.mark.parametrize("name", ["oracle", "learned", "learned-lowrank", "locality", "random"])
+@pytest.mark.parametrize("name", BUILTIN_SELECTORS)
 def test_builtin_selectors_follow_engine_convention_on_synthetic_gqa_layer(name):
     # 6 query heads on 2 KV heads; 150 queries in chunks of 64 (a partial last chunk).
     layer = synthetic_layer()
     for width in (1, 5, 63, 149, 150):
-        rows = make_selector(name, SelectorSettings())(layer, width, {})
+        rows = make_selector(name, synthetic_settings())(layer, width, {})
         _reference_check_rows(rows, layer.lengths, width)
 
 
 @pytest.mark.parametrize("width", [16, 37, 100])
-def test_oracle_recall_dominates_every_selector(real_layers, width):
+def test_oracle_recall_dominates_every_selector(real_layers, trained_settings, width):
     oracle = make_selector("oracle", SelectorSettings())
     for layer in real_layers:
         best = reference_recall(layer, oracle(layer, width, {}), width)
         for name in _all_selector_names():
-            other = reference_recall(layer, make_selector(name, SelectorSettings())(layer, width, {}), width)
+            other = reference_recall(layer, make_selector(name, trained_settings)(layer, width, {}), width)
             # Per row the oracle's set has the largest mass; 1e-5 covers fp32 vs fp64 ties.
             assert bool((best >= other - 1e-5).all()), (
                 f"layer {layer.layer_idx} W {width}: {name} beats the oracle by "
@@ -269,14 +280,14 @@ def test_random_is_reproducible_from_its_seed(real_layers):
     assert not torch.equal(a, c)
 
 
-def test_policy_selector_injects_structure_and_counts_it(real_layers):
+def test_policy_selector_injects_structure_and_counts_it(real_layers, trained_settings):
     # The default schedule (1 sink + 2 local + 2 witness blocks = 320 tokens) covers the
     # whole 320-token text, so learned rows would already be all "structural": shrink it.
     layer, width = real_layers[1], 37
     policy = PolicySettings(local_blocks=1, witness_blocks=0)
-    learned = make_selector("learned", SelectorSettings())(layer, width, {})
+    learned = make_selector("learned", trained_settings)(layer, width, {})
     stats = {}
-    rows = make_selector("topology_sparse_merge", SelectorSettings(), policy)(layer, width, stats)
+    rows = make_selector("topology_sparse_merge", trained_settings, policy)(layer, width, stats)
     assert stats["selected_tokens"] == int((rows >= 0).sum())
     assert stats["structural_injected_tokens"] > 0
     assert not torch.equal(rows, learned)

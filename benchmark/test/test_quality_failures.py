@@ -22,11 +22,18 @@ from benchmark.quality.metrics import LayerMetrics
 from benchmark.quality.policy_selectors import PolicySettings
 from benchmark.quality.raised_gate import evaluate_raised_gate, raised_gate_selectors
 from benchmark.quality.runner import CellResult, DenseResult, GridResult
-from benchmark.quality.selector_base import SelectorSettings, learned_rows_and_scores
+from benchmark.quality.selector_base import (
+    learned_rows_and_scores,
+    top_rows_by_chunk,
+    trained_index_scores,
+    trained_indexer_inputs,
+)
 from benchmark.quality.selectors import make_selector
-from benchmark.quality.synthetic import synthetic_layer
+from benchmark.quality.synthetic import synthetic_layer, synthetic_settings
 
-SETTINGS = SelectorSettings(seed=3)
+# The synthetic layers' trained indexer: seeded random projections (the failure modes'
+# code paths are what these tests pin).
+SETTINGS = synthetic_settings(seed=3)
 WIDTH = 40  # rows of length 41..150 are sparse; rows >= WIDTH + drop_tokens must skip the sinks
 
 
@@ -46,7 +53,7 @@ def test_nosink_never_selects_the_first_tokens_when_it_can_avoid_them():
     assert bool(long_enough.any())
     assert not bool(((rows[long_enough] >= 0) & (rows[long_enough] < drop)).any()), "a sink position was selected"
     learned, _ = learned_rows_and_scores(layer, WIDTH, SETTINGS)
-    assert bool(((learned[long_enough] >= 0) & (learned[long_enough] < drop)).any()), "the proxy does pick sinks"
+    assert bool(((learned[long_enough] >= 0) & (learned[long_enough] < drop)).any()), "the undegraded indexer does pick sinks"
 
 
 def test_noisy_is_seeded_and_degrades_with_snr():
@@ -63,15 +70,16 @@ def test_noisy_is_seeded_and_degrades_with_snr():
     assert overlap(quiet) > overlap(a) and overlap(a) < 1.0
 
 
-def test_stale_ranks_with_the_previous_layers_keys():
+def test_stale_ranks_with_the_previous_layers_index_keys():
     first, second = synthetic_layer(3, layer_idx=0), synthetic_layer(4, layer_idx=1)
     stale = StaleKeys()
     r0, _ = degraded_rows_and_scores("stale", first, WIDTH, SETTINGS, FailureSettings(), stale)
     assert torch.equal(r0, learned_rows_and_scores(first, WIDTH, SETTINGS)[0]), "first layer: own keys"
     r1, _ = degraded_rows_and_scores("stale", second, WIDTH, SETTINGS, FailureSettings(), stale)
-    mixed = LayerInputs.build(layer_idx=1, query=second.query, key=first.key, value=second.value,
-                              scaling=second.scaling, query_chunk=64)
-    assert torch.equal(r1, learned_rows_and_scores(mixed, WIDTH, SETTINGS)[0])
+    q1, w1, _ = trained_indexer_inputs(second, SETTINGS)  # this layer's queries and weights
+    _, _, k0 = trained_indexer_inputs(first, SETTINGS)  # the previous layer's index keys
+    assert torch.equal(r1, top_rows_by_chunk(second, WIDTH, trained_index_scores(q1, w1, k0))[0])
+    assert not torch.equal(r1, learned_rows_and_scores(second, WIDTH, SETTINGS)[0]), "stale keys change the rows"
 
 
 @pytest.mark.parametrize("name", ["learned-nosink", "learned-noisy+topology_sparse_merge",

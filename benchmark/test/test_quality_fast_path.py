@@ -31,12 +31,18 @@ from benchmark.quality.selector_base import (
     indexer_inputs,
     learned_rows_and_scores,
     proxy_index_scores_reference,
+    proxy_rows_and_scores,
+    trained_indexer_inputs,
 )
 from benchmark.quality.selectors import make_selector, select_oracle
 from benchmark.quality.sparse_attention import PLAN_KWARG, STAGES, SparsePlan, sparse_layer_attention
-from benchmark.quality.synthetic import synthetic_layer
+from benchmark.quality.synthetic import synthetic_layer, synthetic_settings
+from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import weighted_relu_logits
 from benchmark.quality.text import sample_windows
 
+# The trained indexer of the synthetic layers: seeded random projections (the code path is
+# what these tests pin, not a trained model).
+SYNTHETIC = synthetic_settings()
 # Query counts that leave the last 64-row chunk partly filled: 27 (one partial chunk),
 # 61 (one chunk, 3 short of full), 1541 (24 full chunks + 5 rows).
 LENGTHS = (27, 61, 1541)
@@ -78,9 +84,15 @@ def _reference_top_rows(layer: LayerInputs, width: int, chunk_scores: Callable):
     return torch.cat(rows), torch.cat(scores)
 
 
-def _reference_learned(layer: LayerInputs, width: int, lowrank: bool = False):
+def _reference_proxy(layer: LayerInputs, width: int, lowrank: bool = False):
     q, k = indexer_inputs(layer, SelectorSettings(), lowrank)
     return _reference_top_rows(layer, width, proxy_index_scores_reference(layer, q, k))
+
+
+def _reference_learned(layer: LayerInputs, width: int, settings: SelectorSettings = None):
+    """The trained indexer's rows through the plain top-W (fresh per-chunk scores)."""
+    q, w, k = trained_indexer_inputs(layer, settings or SYNTHETIC)
+    return _reference_top_rows(layer, width, lambda c0, c1, lc: weighted_relu_logits(q[c0:c1], w[c0:c1], k[:lc]))
 
 
 def _reference_oracle(layer: LayerInputs, width: int):
@@ -91,10 +103,20 @@ def _reference_oracle(layer: LayerInputs, width: int):
 
 
 @pytest.mark.parametrize("T", LENGTHS)
+def test_proxy_rows_and_scores_equal_the_plain_form(T):
+    layer = _layer(T, seed=T)
+    for width in _widths(T):
+        rows, scores = proxy_rows_and_scores(layer, width, SelectorSettings())
+        ref_rows, ref_scores = _reference_proxy(layer, width)
+        assert torch.equal(rows, ref_rows), f"T {T} W {width}: rows differ"
+        assert torch.equal(scores, ref_scores), f"T {T} W {width}: scores differ"
+
+
+@pytest.mark.parametrize("T", LENGTHS)
 def test_learned_rows_and_scores_equal_the_plain_form(T):
     layer = _layer(T, seed=T)
     for width in _widths(T):
-        rows, scores = learned_rows_and_scores(layer, width, SelectorSettings())
+        rows, scores = learned_rows_and_scores(layer, width, SYNTHETIC)
         ref_rows, ref_scores = _reference_learned(layer, width)
         assert torch.equal(rows, ref_rows), f"T {T} W {width}: rows differ"
         assert torch.equal(scores, ref_scores), f"T {T} W {width}: scores differ"
@@ -123,8 +145,11 @@ def test_fast_selectors_equal_the_plain_form_on_other_layouts(case):
         layer = dataclasses.replace(layer, allowed=allowed)
     for width in (5, 37, T + 50):
         lowrank = case == "lowrank"
-        got = learned_rows_and_scores(layer, width, SelectorSettings(), lowrank)
-        ref = _reference_learned(layer, width, lowrank)
+        got = proxy_rows_and_scores(layer, width, SelectorSettings(), lowrank)
+        ref = _reference_proxy(layer, width, lowrank)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), f"{case} W {width}: proxy"
+        got = learned_rows_and_scores(layer, width, SYNTHETIC)
+        ref = _reference_learned(layer, width)
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), f"{case} W {width}: learned"
         assert torch.equal(select_oracle(layer, width, {}), _reference_oracle(layer, width)), f"{case} W {width}: oracle"
 
@@ -139,7 +164,7 @@ def test_random_and_failure_modes_equal_the_plain_form():
     got_random = make_selector("random", SelectorSettings(seed=3))(layer, width, {})
     assert torch.equal(got_random, ref_random)
     for name in ("learned-noisy", "learned-nosink"):
-        rows = make_selector(name, SelectorSettings())(layer, width, {})
+        rows = make_selector(name, SYNTHETIC)(layer, width, {})
         check_engine_rows(rows, layer.lengths, width, name=name)
 
 
@@ -150,7 +175,7 @@ def test_random_and_failure_modes_equal_the_plain_form():
 def test_row_check_rejects_each_broken_row(T):
     layer = _layer(T, seed=11)
     width = min(37, T - 1)
-    rows = make_selector("learned", SelectorSettings())(layer, width, {})
+    rows = make_selector("learned", SYNTHETIC)(layer, width, {})
     check_engine_rows(rows, layer.lengths, width)
     t = T - 1  # the last row: a long row in every case
     for kind, value in (("repeat", int(rows[t, 0])), ("future", int(layer.lengths[t])), ("below -1", -2)):
@@ -170,7 +195,7 @@ def test_sparse_attention_equals_plain_reference(T):
     layer = _layer(T, seed=T + 2)
     for name in ("learned", "locality", "oracle"):
         for width in (5, T + 50):
-            rows = make_selector(name, SelectorSettings())(layer, width, {})
+            rows = make_selector(name, SYNTHETIC)(layer, width, {})
             stages = {}
             out = sparse_layer_attention(layer, rows, width, LayerMetrics(), sink_tokens=4, stage_seconds=stages)
             torch.testing.assert_close(out.double(), reference_sparse_attention(layer, rows), **ATTENTION_TOL,
@@ -205,15 +230,19 @@ def test_in_place_logits_and_softmax_equal_the_plain_ones_bit_for_bit(softcap, m
 # ----------------------------------------------------------------------------- the model
 
 
+TINY_HIDDEN = 144
+
+
 def _tiny_llama() -> LoadedModel:
     """A random 2-layer llama with SmolLM2's head layout (9 q / 3 kv heads), head dim 16."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     sparse_attention.register()
-    cfg = LlamaConfig(vocab_size=120, hidden_size=144, intermediate_size=64, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=120, hidden_size=TINY_HIDDEN, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=16, max_position_embeddings=256)
     torch.manual_seed(0)  # the model's random weights (the test owns this process's global stream)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=sparse_attention.ATTENTION_NAME).eval()
+    sparse_attention.install_hidden_capture(model)
     return LoadedModel(model=model, tokenizer=None, gguf_path=None, gguf_sha256="",
                        full_attention_layers=full_attention_layers(model.config))
 
@@ -227,7 +256,8 @@ def test_model_nll_equals_plain_reference(T, monkeypatch):
     lm = _tiny_llama()
     ids = torch.randint(0, 120, (1, T), generator=torch.Generator().manual_seed(T))
     layers = frozenset(lm.full_attention_layers)
-    references = {"learned": lambda layer, w, stats: _reference_learned(layer, w)[0],
+    tiny = synthetic_settings(TINY_HIDDEN)
+    references = {"learned": lambda layer, w, stats: _reference_learned(layer, w, tiny)[0],
                   "oracle": lambda layer, w, stats: _reference_oracle(layer, w),
                   "locality": make_selector("locality", SelectorSettings())}
 
@@ -238,7 +268,7 @@ def test_model_nll_equals_plain_reference(T, monkeypatch):
         return torch.nn.functional.cross_entropy(logits.double(), ids[0, 1:], reduction="none")
 
     for width in (5, 16, T + 50):
-        fast = {name: nll(make_selector(name, SelectorSettings()), width) for name in references}
+        fast = {name: nll(make_selector(name, tiny), width) for name in references}
         with monkeypatch.context() as m:
             m.setattr(sparse_attention, "sparse_layer_attention", _reference_plan_attention)
             plain = {name: nll(ref, width) for name, ref in references.items()}
@@ -251,7 +281,7 @@ def test_grid_reports_seconds_per_stage():
     tokens = torch.randint(0, 120, (400,), generator=torch.Generator().manual_seed(5)).tolist()
     windows = {64: sample_windows(tokens, "rand", 64, 1, seed=0)}
     settings = GridSettings(contexts=(64,), budgets=(Fraction(1, 4),), selectors=("learned", "locality"),
-                            query_chunk=16, metric_stride=None)
+                            selector_settings=synthetic_settings(TINY_HIDDEN), query_chunk=16, metric_stride=None)
     grid = run_grid(lm, windows, settings, progress=False)
     for cell in grid.cells:
         per_forward = cell_summary(grid, cell)["seconds_per_forward"]

@@ -37,7 +37,7 @@ from benchmark.quality.runner import CellResult, DenseResult, GridResult, GridSe
 from benchmark.quality.selector_base import SelectorSettings
 from benchmark.quality.selectors import make_selector
 from benchmark.quality.sparse_attention import gather_sparse_attention, sparse_layer_attention
-from benchmark.quality.synthetic import synthetic_layer
+from benchmark.quality.synthetic import synthetic_layer, synthetic_settings
 from benchmark.quality.text import TextWindow, load_text_file, sample_windows
 
 
@@ -222,7 +222,7 @@ def test_probe_scores_a_perfect_copier_and_keeps_only_selectors_near_dense():
 @pytest.mark.parametrize("selector_name, width", [("learned", 37), ("random", 100), ("locality", 1), ("oracle", 64)])
 def test_masked_fast_path_equals_gather_path(selector_name, width, softcap):
     layer = dataclasses.replace(synthetic_layer(seed=9, layer_idx=2, T=200, H=8, Hkv=2, D=32), softcap=softcap)
-    rows = make_selector(selector_name, SelectorSettings())(layer, width, {})
+    rows = make_selector(selector_name, synthetic_settings())(layer, width, {})
     fast = sparse_layer_attention(layer, rows, width, None, sink_tokens=4)
     torch.testing.assert_close(fast, gather_sparse_attention(layer, rows), atol=1e-5, rtol=1e-4)
     # The metric pass leaves the output alone.
@@ -236,7 +236,7 @@ def test_column_path_and_full_mask_path_agree(monkeypatch, compact_below, softca
 
     layer = dataclasses.replace(synthetic_layer(seed=5, layer_idx=1, T=300, H=6, Hkv=3, D=16), softcap=softcap)
     for name, width in (("locality", 40), ("learned", 50)):
-        rows = make_selector(name, SelectorSettings())(layer, width, {})
+        rows = make_selector(name, synthetic_settings())(layer, width, {})
         monkeypatch.setattr(sparse_attention, "COMPACT_BELOW", compact_below)
         out = sparse_layer_attention(layer, rows, width, None, sink_tokens=4)
         torch.testing.assert_close(out, gather_sparse_attention(layer, rows), atol=1e-5, rtol=1e-4)
@@ -277,6 +277,7 @@ def _tiny_gemma3():
                            max_position_embeddings=1024)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=sparse_attention.ATTENTION_NAME).eval()
+    sparse_attention.install_hidden_capture(model)
     return LoadedModel(model=model, tokenizer=None, gguf_path=None, gguf_sha256="",
                        full_attention_layers=full_attention_layers(model.config))
 
@@ -296,6 +297,7 @@ def test_grid_on_gqa_256_dim_sliding_262k_vocab_model():
     windows = {128: sample_windows(tokens, "rand", 128, 2, seed=0)}
     settings = GridSettings(contexts=(128,), budgets=(Fraction(1, 4), Fraction(1, 1)),
                             selectors=("learned", "locality", "topology_only"), query_chunk=64, logits_chunk=100,
+                            selector_settings=synthetic_settings(32),
                             metric_stride=4, bootstrap=BootstrapSettings(chunk=32, samples=200))
     probe = ProbeSettings(segment=16, distances=(Fraction(1, 4), Fraction(1, 2)))
     probes = {128: [make_probe_window(windows[128][0], tokens[:500], probe)]}

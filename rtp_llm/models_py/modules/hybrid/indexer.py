@@ -39,6 +39,7 @@ from torch import nn
 
 from rtp_llm.metrics import register_topology_kv_reporter
 from rtp_llm.models_py.modules.hybrid import indexer_torch_ops
+from rtp_llm.models_py.modules.hybrid.indexer_projections import IndexerProjections
 from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerAttentionInputs,
     IndexerCPParams,
@@ -126,6 +127,10 @@ class Indexer(nn.Module):
         with ``topology=None``)
     model_fingerprint : :class:`ModelFingerprint` of the served model; needed when
         ``RTP_LLM_TOPOLOGY_KV_PROFILE`` is read
+    projections : the layer's trained :class:`IndexerProjections` (DSA's ``wq_b``, ``wk``,
+        ``k_norm``, ``weights_proj``), or None. With them :meth:`index_inputs` computes the
+        indexer's q, k and weights from the layer's hidden states, as the engine's does;
+        their shape must match ``index_n_heads`` / ``index_head_dim``
     """
 
     def __init__(
@@ -142,8 +147,14 @@ class Indexer(nn.Module):
         topology_profile: Optional[TopologyKVProfile] = None,
         topology_profile_budget: Optional[str] = None,
         model_fingerprint: Optional[ModelFingerprint] = None,
+        projections: Optional[IndexerProjections] = None,
     ) -> None:
         super().__init__()
+        if projections is not None and (projections.shape.heads, projections.shape.head_dim) != (
+                index_n_heads, index_head_dim):
+            raise ValueError(f"projections: expected {index_n_heads} heads x {index_head_dim} dims (index_n_heads, "
+                             f"index_head_dim), got {projections.shape.heads} x {projections.shape.head_dim}")
+        self.projections = projections
         self.index_n_heads = index_n_heads
         self.index_head_dim = index_head_dim
         self.index_topk = index_topk
@@ -302,6 +313,23 @@ class Indexer(nn.Module):
             topology_counters=topology_counters,
             topology_plan=topology_plan,
         )
+
+    # ------------------------------------------------------------------ q, k and weights
+
+    def index_inputs(
+        self, hidden_states: torch.Tensor, positions: torch.Tensor, q_input: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The indexer's ``(q [T, H, D], k [T, D], weights [T, H])`` for this step's tokens.
+
+        hidden_states : ``[T, C]`` the layer's attention input; positions : int ``[T]``
+        absolute (request-local) positions, for RoPE; q_input : ``[T, Cq]`` the q-LoRA
+        latent, or None (a model without one: ``hidden_states``). ``k`` is what
+        :meth:`write_keys` stores; ``q`` and ``weights`` are what :meth:`_compute_topk` reads.
+        """
+        if self.projections is None:
+            raise ValueError(f"Indexer layer {self.layer_idx}: index_inputs needs trained projections "
+                             "(Indexer(..., projections=...))")
+        return self.projections(hidden_states, positions, q_input)
 
     # ------------------------------------------------------------------ cache writes
 

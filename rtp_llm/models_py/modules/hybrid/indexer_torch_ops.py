@@ -107,8 +107,8 @@ def topk_from_window_scores(
     return torch.where(chosen >= 0, chosen + off, -1).to(torch.int32)
 
 
-def _weighted_relu_logits(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``sum_h w[r, h] * relu(q[r, h] . k[l])`` for shared keys ``[L, D]`` -> ``[r, L]`` fp32."""
+def weighted_relu_logits(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The index score ``sum_h w[r, h] * relu(q[r, h] . k[l])`` for shared keys ``[L, D]`` -> ``[r, L]`` fp32."""
     dots = torch.einsum("rhd,ld->rhl", q, keys)  # (r, H, D) x (L, D) -> (r, H, L)
     return (torch.relu(dots) * weights.unsqueeze(-1)).sum(dim=1)  # [r, L]
 
@@ -151,7 +151,7 @@ def ragged_indexer_topk(
     step = _row_chunk(R, H, L)
     for start in range(0, R, step):
         rows = slice(start, min(start + step, R))
-        logits = _weighted_relu_logits(qf[rows], w[rows], kf)  # [c, L] over the whole buffer
+        logits = weighted_relu_logits(qf[rows], w[rows], kf)  # [c, L] over the whole buffer
         # Shift into request-local coordinates: column j <- buffer position ks + j.
         src = torch.clamp(row_starts[rows].to(torch.int64).unsqueeze(1) + pos, max=L - 1)  # [c, L]
         window = torch.gather(logits, 1, src)

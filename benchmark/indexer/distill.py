@@ -1,0 +1,128 @@
+"""DSA's dense warm-up: one layer's indexer distilled from the frozen model's attention.
+
+Loss (DeepSeek-V3.2, dense warm-up stage): for each sampled query row ``t``,
+``KL(p[t, :] || softmax(I[t, :]))`` with ``p`` the layer's dense attention averaged over
+heads (:class:`~benchmark.indexer.capture.LayerSample.target`) and ``I`` the index score
+of the indexer's own projections (:mod:`rtp_llm.models_py.modules.hybrid.indexer_projections`),
+both over the row's causal keys. The model is frozen and the indexer's inputs are
+detached (they are captured tensors). AdamW with a linear warm-up and a cosine decay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from benchmark.indexer.capture import LayerSample
+from rtp_llm.models_py.modules.hybrid.indexer_projections import IndexerProjections, IndexerProjectionShape
+from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import weighted_relu_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillSettings:
+    """One layer's training run.
+
+    steps : optimizer steps (each over ``batch_windows`` windows' sampled rows)
+    lr : peak learning rate (DeepSeek-V3.2's warm-up: 1e-3)
+    warmup_steps : linear warm-up steps before the cosine decay to ``lr * min_lr_ratio``
+    batch_windows : windows per step (cycled in a seeded order)
+    weight_decay : AdamW's decoupled weight decay
+    """
+
+    steps: int = 200
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.05
+    batch_windows: int = 2
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_windows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: expected > 0, got {self.lr!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio: expected in [0, 1], got {self.min_lr_ratio!r}")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of step ``step`` (0-based): linear warm-up, then cosine decay."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        floor = self.lr * self.min_lr_ratio
+        return floor + (self.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def index_logits(module: IndexerProjections, sample: LayerSample) -> torch.Tensor:
+    """fp32 ``[R, L]`` index scores of the sample's rows over every key, ``-inf`` past each row's length."""
+    L = sample.hidden.shape[0]
+    positions = torch.arange(L)
+    keys = module.keys(sample.hidden, positions)  # [L, D]
+    x_rows = sample.hidden.index_select(0, sample.rows)  # [R, C]
+    q = module.queries(x_rows, sample.rows)  # [R, H, D]
+    scores = weighted_relu_logits(q, module.weights(x_rows), keys)  # [R, L]
+    causal = torch.arange(L).unsqueeze(0) < sample.lengths.unsqueeze(1)
+    return scores.masked_fill(~causal, float("-inf"))
+
+
+def kl_to_target(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of ``KL(target || softmax(logits))``; entries with ``target == 0`` add 0."""
+    logq = torch.log_softmax(logits, dim=-1)
+    p = target
+    terms = torch.where(p > 0, p * (torch.log(p.clamp(min=1e-30)) - logq), torch.zeros_like(p))
+    return terms.sum(dim=-1).mean()
+
+
+def held_out_kl(module: IndexerProjections, samples: Sequence[LayerSample]) -> float:
+    """Mean KL over ``samples`` (no gradients)."""
+    with torch.no_grad():
+        return float(sum(kl_to_target(index_logits(module, s), s.target) for s in samples) / max(1, len(samples)))
+
+
+def train_layer(
+    shape: IndexerProjectionShape,
+    samples: Sequence[LayerSample],
+    settings: DistillSettings,
+    seed: int,
+    on_step: Optional[Callable[[int, float], None]] = None,
+) -> Tuple[IndexerProjections, List[float]]:
+    """Train one layer's projections on ``samples``; returns the module and the loss per step.
+
+    Seeded: the same samples, settings and seed give the same weights (the initialisation
+    and the window order come from ``torch.Generator``s seeded with ``seed``, never the
+    global stream).
+    """
+    if not samples:
+        raise ValueError("samples: expected at least one training window")
+    init = torch.Generator().manual_seed(seed)
+    module = IndexerProjections(shape)
+    with torch.no_grad():
+        for lin in (module.wq_b, module.wk, module.weights_proj):
+            bound = 1.0 / math.sqrt(lin.in_features)  # nn.Linear's default range, from our generator
+            lin.weight.uniform_(-bound, bound, generator=init)
+    opt = torch.optim.AdamW(module.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    order = torch.Generator().manual_seed(seed + 1)
+    losses: List[float] = []
+    queue: List[int] = []
+    for step in range(settings.steps):
+        batch = []
+        while len(batch) < min(settings.batch_windows, len(samples)):
+            if not queue:
+                queue = torch.randperm(len(samples), generator=order).tolist()
+            batch.append(queue.pop())
+        for group in opt.param_groups:
+            group["lr"] = settings.lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        loss = sum(kl_to_target(index_logits(module, samples[i]), samples[i].target) for i in batch) / len(batch)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step, losses[-1])
+    return module.eval().requires_grad_(False), losses

