@@ -141,7 +141,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     result = run(args)
     shape = result["indexer"]
-    print(f"proxy indexer: {shape['preset']} ({shape['heads']} heads x {shape['dim']} dims, "
+    print(f"{'indexer' if shape['preset'] == 'trained' else 'untrained proxy indexer'}: {shape['preset']} ({shape['heads']} heads x {shape['dim']} dims, "
           f"{shape['ratio_to_attention']:.3f} of attention's multiply-adds per key)\n")
     print(format_table(result["rows"]))
     print()

@@ -99,13 +99,14 @@ def _md_row(r: Row) -> List[str]:
 
 
 def table_heading(row: Row) -> str:
-    """The line above a table: proxy indexer preset and shape, budget, rows per request."""
+    """The line above a table: indexer (trained, or the proxy's preset) and shape, budget, rows per request."""
     preset, heads, dim, budget = run_key(row)
     T = row["rows_per_request"]
     shape = f" ({_heads_dims(heads, dim)})" if heads is not None else ""
     mode = ("1 row per request (greedy decode)" if T == 1 else
             f"{T} rows per request (--next-n {T - 1}, speculative verification)")
-    return f"**Proxy indexer `{preset}`{shape}, W = {budget}, {mode}**"
+    kind = "Trained indexer" if preset == "trained" else "Untrained proxy indexer"
+    return f"**{kind} `{preset}`{shape}, W = {budget}, {mode}**"
 
 
 def format_table(rows: List[Row]) -> str:

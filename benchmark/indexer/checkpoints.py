@@ -19,6 +19,7 @@ picks the one trained for a model's GGUF sha256 and shape preset.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -28,7 +29,9 @@ from rtp_llm.models_py.modules.hybrid.indexer_projections import IndexerProjecti
 
 SHAPE_PRESETS = ("dsa-ratio", "proxy-cost")
 DSA_COST_RATIO = 9  # DeepSeek-V3.2: attention q.k (128 x 576) / indexer (64 x 128) multiply-adds per key
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "trained_indexers"
+# abspath, not resolve(): under Bazel this file is a runfiles symlink, and the shipped
+# checkpoints are runfiles beside it.
+SHIPPED_DIR = Path(os.path.abspath(__file__)).parent.parent / "trained_indexers"
 
 
 def parse_shape(text: str) -> str:

@@ -11,7 +11,7 @@ and recall is the dense attention mass (averaged over heads) on them. Methods:
 * ``proxy``: the harness's untrained null model, ``sum_h relu(q_h . k_h) / H`` of the
   model's own post-RoPE q/k (fp8 per vector), 1/2 of the attention's cost per key;
 * ``proxy-pca``: the end-to-end benchmark's untrained null model, one head over the KV
-  heads' keys projected on their 64 principal directions (``benchmark.e2e.indexers``);
+  heads' keys projected on their 64 principal directions (``benchmark.quality.proxy_indexers``);
 * ``locality``: the first 4 positions and the most recent ones.
 """
 
@@ -62,7 +62,7 @@ def proxy_scores(sample: LayerSample) -> torch.Tensor:
 
 def pca_proxy_scores(sample: LayerSample) -> torch.Tensor:
     """The e2e's ``dsa-ratio`` proxy, fitted on this window's keys: ``[R, L]``."""
-    from benchmark.e2e.indexers import ProxyIndexer, resolve_indexer_shape
+    from benchmark.quality.proxy_indexers import ProxyIndexer, resolve_indexer_shape
 
     H, R, D = sample.query.shape
     Hkv, L, _ = sample.key.shape

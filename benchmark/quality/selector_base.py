@@ -256,13 +256,13 @@ def proxy_rows_and_scores(
 def pca_proxy_rows_and_scores(layer: LayerInputs, width: int, settings: SelectorSettings) -> Tuple[torch.Tensor, torch.Tensor]:
     """The end-to-end benchmark's untrained proxy (null model ``proxy-pca``): rows and scores.
 
-    ``benchmark.e2e.indexers.ProxyIndexer`` at its ``dsa-ratio`` shape (SmolLM2: one head of
+    ``benchmark.quality.proxy_indexers.ProxyIndexer`` at its ``dsa-ratio`` shape (SmolLM2: one head of
     64 dims): one key head, the KV heads' keys concatenated and projected on their top
     principal directions (fitted on this layer's keys), queries the mean over their query
     groups projected the same way, fp8-e4m3 round-tripped; ``relu`` scores with uniform
     weights. Most of its scores are exactly 0, so its rows are mostly decided by ties.
     """
-    from benchmark.e2e.indexers import ProxyIndexer, resolve_indexer_shape
+    from benchmark.quality.proxy_indexers import ProxyIndexer, resolve_indexer_shape
 
     H, T, D = layer.query.shape
     Hkv = layer.key.shape[0]

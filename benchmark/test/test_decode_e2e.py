@@ -155,7 +155,7 @@ def test_small_budget_selects_at_most_w_and_times_parts(loaded, text, shape):
         if variant != "learned":
             assert row["policy_ms"] > 0
     table = e2e.format_table(rows)
-    assert table.startswith("**Proxy indexer `dsa-ratio` (1 head x 64 dims), W = 96, 1 row per request")
+    assert table.startswith("**Untrained proxy indexer `dsa-ratio` (1 head x 64 dims), W = 96, 1 row per request")
     assert "\n| context | B | rows | variant |" in table and all(v in table for v in e2e.VARIANTS)
 
 
@@ -193,3 +193,34 @@ def test_bad_flags_name_the_flag(capsys):
         assert flag in capsys.readouterr().err
     args = e2e.parse_args(["--contexts", "2048", "8192", "--new-tokens", "8", "--warmup", "2"])
     assert args.batches == [1] and args.variants[0] == "dense"
+
+
+def test_trained_indexer_variants_write_the_projected_keys_and_decode(loaded, text):
+    """The learned variants with the shipped trained indexer: the prefill keys in the index
+    cache are the checkpoint's projections of the captured attention inputs (fp8
+    round-tripped), decode runs every variant, and a budget covering every row is exact."""
+    from benchmark.e2e.indexers import trained_indexer_shape
+    from benchmark.indexer.checkpoints import find_shipped_checkpoint, load_trained_indexer
+    from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import fp8_e4m3_round_trip
+
+    path = find_shipped_checkpoint(loaded.gguf_sha256)
+    assert path is not None, "the SmolLM2 trained indexer must ship in benchmark/trained_indexers/"
+    trained, info = load_trained_indexer(path, loaded.gguf_sha256)
+    H, _, D = e2e.kv_geometry(loaded.model)
+    shape = trained_indexer_shape(info.shape.heads, info.shape.head_dim, H, D)
+    lens = [CONTEXT, CONTEXT - 30]
+    variants = ["dense", "learned", "learned+topology_sparse_merge"]
+    from benchmark.e2e.decode import prefill_text
+
+    prefilled = prefill_text(loaded.model, text[:CONTEXT], [n - 1 for n in lens])
+    X = prefilled[4]
+    run = e2e.build_batch(loaded.model, text, lens, variants, 2, 0, CONTEXT + 8, shape,
+                          (*prefilled, [n - 1 for n in lens]), trained)
+    st = run.states["learned"]
+    for layer, pools in run.pools.items():
+        want = fp8_e4m3_round_trip(trained[layer].keys(X[layer], torch.arange(CONTEXT)))  # [C, Di]
+        got = paged_request_keys(pools.index_cache.k_cache, st.block_table)[0, :CONTEXT]  # request 0's keys
+        assert torch.equal(got, want), f"layer {layer}"
+    out = e2e.decode_batch(loaded.model, run, 2)
+    for name in variants[1:]:
+        assert max(max(k) for k in out[name]["kl"]) < 1e-6, f"{name}: W covers every row, so it equals dense"

@@ -53,10 +53,10 @@ def test_tables_are_grouped_by_indexer_and_rows_per_request():
             row("dense", 1024, 1, 30.0)]  # a smaller context after: sorted to the top of its table
     blocks = table_blocks(e2e.format_table(rows))
     assert list(blocks) == [
-        "**Proxy indexer `dsa-ratio` (1 head x 64 dims), W = 1024, 1 row per request (greedy decode)**",
-        "**Proxy indexer `dsa-ratio` (1 head x 64 dims), W = 1024, 2 rows per request (--next-n 1, "
+        "**Untrained proxy indexer `dsa-ratio` (1 head x 64 dims), W = 1024, 1 row per request (greedy decode)**",
+        "**Untrained proxy indexer `dsa-ratio` (1 head x 64 dims), W = 1024, 2 rows per request (--next-n 1, "
         "speculative verification)**",
-        "**Proxy indexer `model` (3 heads x 192 dims), W = 1024, 1 row per request (greedy decode)**",
+        "**Untrained proxy indexer `model` (3 heads x 192 dims), W = 1024, 1 row per request (greedy decode)**",
     ]
     single, multi, model = blocks.values()
     assert [line.split(" | ")[:4] for line in single] == [["| 1024", "1", "1", "dense"], ["| 2048", "1", "1", "dense"],
@@ -134,7 +134,7 @@ def test_merge_command_writes_one_report_and_plot(tmp_path, capsys):
     md = (out / "e2e.md").read_text()
     assert md == capsys.readouterr().out.rstrip("\n") + "\n"
     assert md.count("| context | B | rows | variant") == 3
-    assert "Proxy indexer `model` (3 heads x 192 dims)" in md and "2 rows per request (--next-n 1" in md
+    assert "Untrained proxy indexer `model` (3 heads x 192 dims)" in md and "2 rows per request (--next-n 1" in md
     assert "--contexts 2048 --batches 32 --next-n 1" in md and "![step time vs batch](e2e_step_vs_batch.png)" in md
     assert "NOT RUN: topology_only_noscan" in md
     merged = json.loads((out / "e2e.json").read_text())

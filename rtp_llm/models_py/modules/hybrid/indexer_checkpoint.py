@@ -115,6 +115,7 @@ def save_indexer_checkpoint(path: Path, projections: Mapping[int, IndexerProject
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(info.to_json(), sort_keys=True)})
+    os.chmod(tmp, 0o644)  # a shared artifact: readable by every user, as a checked-in file is
     os.replace(tmp, path)
 
 
