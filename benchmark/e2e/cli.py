@@ -123,6 +123,35 @@ def check_flags_before_load(p: argparse.ArgumentParser, args: argparse.Namespace
             check_output_dir("--out", user_path(args.out))
     except FlagError as err:
         p.error(str(err))
+    if args.indexer == "trained" and args.merge is None:
+        check_trained_indexer(p, args)
+
+
+def check_trained_indexer(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The trained indexer the run will use exists and was trained for the model (exit 2 otherwise)."""
+    from benchmark.indexer.checkpoints import resolve_checkpoint
+    from benchmark.quality.errors import SetupError
+    from benchmark.quality.model import default_gguf_path
+    from benchmark.quality.paths import file_sha256, user_path
+    from rtp_llm.models_py.modules.hybrid.indexer_checkpoint import read_checkpoint_info
+
+    try:
+        gguf = user_path(args.model) if args.model is not None else default_gguf_path()
+    except SetupError as err:
+        p.error(f"--model: {err}")
+    sha = file_sha256(gguf)
+    explicit = None if args.indexer_checkpoint is None else user_path(args.indexer_checkpoint)
+    path = resolve_checkpoint(explicit, sha)
+    if path is None:
+        p.error(f"--indexer-checkpoint: no trained indexer ships for {gguf.name}; train one with "
+                "benchmark/topology_kv_indexer_train.py, or run the untrained proxy (--indexer proxy)")
+    try:
+        info = read_checkpoint_info(path)
+    except ValueError as err:
+        p.error(f"--indexer-checkpoint: {shown(str(err))}")
+    if info.model_sha256 != sha:
+        p.error(f"--indexer-checkpoint: {shown(str(path))} was trained for the model with sha256 "
+                f"{info.model_sha256[:12]}..., not {gguf.name} ({sha[:12]}...)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -50,9 +50,10 @@ def _main(command):
     import benchmark.quality.calibrate_cli as calibrate_cli
     import benchmark.quality.cli as quality_cli
     import benchmark.quality.compare_cli as compare_cli
+    import benchmark.indexer.train_cli as train_cli
     import benchmark.validation.report as validation_report
 
-    return {"quality": quality_cli.main, "calibrate": calibrate_cli.main, "compare": compare_cli.main,
+    return {"indexer_train": train_cli.main, "quality": quality_cli.main, "calibrate": calibrate_cli.main, "compare": compare_cli.main,
             "e2e": e2e_cli.main, "policy_bench": policy_bench.main, "schedule": schedule_bench.main,
             "report": validation_report.main}[command]
 
@@ -116,6 +117,20 @@ BAD_FLAGS = [
     ("schedule", ["--json", "{folder}"], "--json"),
     ("schedule", ["--json", "{under_file}/a.json"], "--json"),
     ("report", ["--out-dir", "{file}"], "--out-dir"),
+    ("quality", ["--indexer-checkpoint", "{text}"], "--indexer-checkpoint"),
+    ("e2e", ["--indexer-checkpoint", "{text}"], "--indexer-checkpoint"),
+    ("e2e", ["--indexer-checkpoint", "{folder}"], "--indexer-checkpoint"),
+    ("indexer_train", ["--out", "{folder}"], "--out"),
+    ("indexer_train", ["--out", "{under_file}/a.safetensors"], "--out"),
+    ("indexer_train", ["--evaluate", "{under_file}"], "--evaluate"),
+    ("indexer_train", [], "--out / --evaluate"),
+    ("indexer_train", ["--out", "x.safetensors", "--model", "{text}"], "--model"),
+    ("indexer_train", ["--out", "x.safetensors", "--report-dir", "{file}"], "--report-dir"),
+    ("indexer_train", ["--out", "x.safetensors", "--shape", "big"], "--shape"),
+    ("indexer_train", ["--out", "x.safetensors", "--novel", "nosuch"], "--novel"),
+    ("indexer_train", ["--out", "x.safetensors", "--train-windows", "1"], "--train-windows"),
+    ("indexer_train", ["--out", "x.safetensors", "--steps", "0"], "--steps"),
+    ("indexer_train", ["--out", "x.safetensors", "--flag-margin", "1.5"], "--flag-margin"),
 ]
 
 
