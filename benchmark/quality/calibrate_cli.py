@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "below 1, or the budget returns to the baseline; docs/profile.md)")
     p.add_argument("--metric-stride", type=int, default=4, help="measure every n-th query row (default 4)")
     p.add_argument("--query-chunk", type=int, default=256)
-    p.add_argument("--no-fp8", action="store_true", help="proxy indexer without the fp8-e4m3 round trip")
+    p.add_argument("--no-fp8", action="store_true", help="trained indexer without the fp8-e4m3 round trip")
+    p.add_argument("--indexer-checkpoint", default=None, metavar="FILE",
+                   help="the trained indexer the merge modes start from (default: the one shipped for the model)")
     p.add_argument("--out-dir", default="report/topology_kv_profile", help="where profile.json and share_kept.png go")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-plots", action="store_true")
@@ -113,11 +115,17 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         out_dir = check_output_dir("--out-dir", user_path(args.out_dir))
     except FlagError as exc:
         raise UsageError(str(exc)) from None
+    from benchmark.quality.cli import resolve_trained_indexer
+
+    trained, trained_source = resolve_trained_indexer(
+        args.indexer_checkpoint, None if args.model is None else user_path(args.model),
+        () if args.policy == "topology_only" else ("learned",))
     try:
         settings = CalibrationSettings(
             contexts=tuple(contexts), budgets=budgets, shares=shares, component_sets=parse_components(args.components),
             margin=args.margin, metric_stride=args.metric_stride, query_chunk=args.query_chunk,
-            selector_settings=SelectorSettings(fp8=not args.no_fp8), policy=args.policy,
+            selector_settings=SelectorSettings(fp8=not args.no_fp8, trained=trained, trained_source=trained_source),
+            policy=args.policy,
             sink_options=tuple(sink_options), witness_signal=args.witness_signal,
         )
     except ValueError as exc:

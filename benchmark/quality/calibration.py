@@ -435,7 +435,8 @@ def build_profile(
             "margin": settings.margin,
             "metric_stride": settings.metric_stride,
             "witness_signal": settings.resolved_witness_signal,
-            "indexer": "none (topology_only replaces the learned rows)" if settings.policy == ONLY else "proxy (benchmark.quality.selector_base.learned_rows_and_scores), fp8 "
+            "indexer": "none (topology_only replaces the learned rows)" if settings.policy == ONLY else
+                       f"trained ({settings.selector_settings.trained_source or 'none given'}), fp8 "
                        + ("on" if settings.selector_settings.fp8 else "off"),
             **(extra_settings or {}),
         },

@@ -265,18 +265,19 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
 
 
 def resolve_trained_indexer(flag: Optional[str], model_path: Optional[Path], selectors):
-    """``(layer -> projections, source)`` of the trained indexer, or ``(None, "")`` when no
-    selector needs one and none was asked for; checked against the model before it loads."""
+    """``(layer -> projections, source)`` of the trained indexer (``flag``, else the one shipped
+    for the model), or ``(None, "")`` when there is none and no selector needs one; checked
+    against the model before it loads."""
     from benchmark.indexer.checkpoints import load_trained_indexer, resolve_checkpoint
     from benchmark.quality.model import default_gguf_path
     from benchmark.quality.selectors import needs_trained_indexer
 
     needed = needs_trained_indexer(selectors)
-    if flag is None and not needed:
-        return None, ""
     gguf = model_path if model_path is not None else default_gguf_path()
     sha = file_sha256(gguf)
     path = resolve_checkpoint(None if flag is None else user_path(flag), sha)
+    if path is None and not needed:
+        return None, ""
     if path is None:
         raise UsageError(
             f"--indexer-checkpoint: no trained indexer ships for {gguf.name} (sha256 {sha[:12]}...); train one with "
