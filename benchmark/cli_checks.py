@@ -22,20 +22,12 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence, Set, Union
 
-SHOWN_CHARACTERS = 120  # of a value quoted in a message
+# One rule for quoting a value in a message, the serving settings' and the commands' alike.
+from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import SHOWN_CHARACTERS, shown  # noqa: E402,F401
 
 
 class FlagError(ValueError):
     """A flag's value the command refuses before it starts; the message starts with the flag."""
-
-
-def shown(value, limit: int = SHOWN_CHARACTERS) -> str:
-    """``repr(value)`` cut to ``limit`` characters, with the full length said."""
-    text = repr(value)
-    if len(text) <= limit:
-        return text
-    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters as text"
-    return f"{text[:limit]}... ({size})"
 
 
 def is_file(path: Union[str, os.PathLike]) -> bool:

@@ -2,22 +2,9 @@
 
 The learned variants rank with the trained indexer (``--indexer trained``: a checkpoint
 of ``benchmark/trained_indexers/``, :class:`TrainedIndexerInputs`), or with the untrained
-proxy (``--indexer proxy``, a null model: :mod:`benchmark.quality.proxy_indexers`). The
-proxy is built from the model's own post-RoPE queries and keys in DSA's form
-``I[t, s] = sum_j w_j relu(q_j[t] . k[s])`` with one key head (MQA, as DSA): the key is
-the concatenation of the KV heads (``Hkv * D`` values) projected to ``Di`` dims (identity
-when ``Di = Hkv * D``, else the top principal directions of the layer's prefill keys),
-query head ``j`` the mean over its share of the ``G = H / Hkv`` query groups of their
-concatenated heads, projected the same way; q and k are fp8-e4m3 round-tripped (per 64-
-or 128-channel group) once, keys on write. Presets (``--indexer-preset``):
-
-* ``dsa-ratio`` (default): ``Hi * Di`` multiply-adds per key ~= 1/17 of the attention's
-  ``2 * H * D`` (DeepSeek-V3.2: 64 x 128 indexer vs 128 heads x (576 + 512) MLA);
-  for SmolLM2 that is 1 head x 64 dims (64 vs 1,152 multiply-adds per key: 1/18);
-* ``model``: the model's own heads and dims, ``G`` heads x ``Hkv * D`` dims (576 per
-  key, 1/2 of attention: the cost of the earlier proxy).
-
-``--indexer-heads`` / ``--indexer-dim`` override the preset's shape.
+proxy (``--indexer proxy``, a null model: :mod:`benchmark.quality.proxy_indexers`). Its
+shape presets (``--indexer-preset``: ``dsa-ratio``, ``model``) are described there.
+``--indexer-heads`` / ``--indexer-dim`` override the proxy preset's shape.
 
 Variants, one budget ``W`` (``--budget``):
 
