@@ -66,3 +66,24 @@ def test_bad_part_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         report.parse_args(["--parts", "speed"])
     assert "--parts" in capsys.readouterr().err
+
+
+def test_the_report_writes_only_its_declared_outputs(quick_report):
+    out, _ = quick_report
+    assert {p.name for p in out.iterdir()} <= set(report.REPORT_OUTPUTS)
+
+
+def test_a_rerun_replaces_its_own_outputs_and_keeps_everything_else(tmp_path):
+    out = tmp_path / "report"
+    (out / "quality").mkdir(parents=True)
+    (out / "quality" / "results.json").write_text("{}")
+    (out / "report.md").write_text("old")
+    (out / "indexer_smollm2").mkdir()
+    (out / "indexer_smollm2" / "recall.md").write_text("keep")
+    (out / "notes.txt").write_text("keep")
+    report.clear_previous_report(out)
+    assert sorted(p.name for p in out.iterdir()) == ["indexer_smollm2", "notes.txt"]
+    assert (out / "indexer_smollm2" / "recall.md").read_text() == "keep"
+    fresh = tmp_path / "a" / "b"
+    report.clear_previous_report(fresh)
+    assert fresh.is_dir() and not any(fresh.iterdir())

@@ -398,14 +398,30 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+# Everything the report writes into --out-dir, and nothing else: a rerun replaces these and
+# leaves every other entry of the folder alone (report/ also holds other commands' outputs).
+REPORT_OUTPUTS = ("report.md", "report.json", "micro.json", "micro_warm.json", "policy.json", "e2e.json",
+                  "quality", "speedup_vs_budget.png", "e2e_breakdown.png", "e2e_step_vs_batch.png")
+
+
+def clear_previous_report(out_dir: Path) -> None:
+    """Make ``out_dir`` (with its parents) and remove a previous report's :data:`REPORT_OUTPUTS`
+    from it, so no stale part survives a run that skips it; other entries stay."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in REPORT_OUTPUTS:
+        path = out_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     from benchmark.quality.paths import user_path
 
     out_dir = user_path(args.out_dir)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
+    clear_previous_report(out_dir)
     results: Dict[str, Dict] = {}
     timing: Dict[str, float] = {}
     for i, part in enumerate(args.parts):
