@@ -6,10 +6,11 @@ What a run does (defaults in brackets):
 
 1. Splits the training text [Emma] into its first 80% (training windows) and the last
    20% (held-out: one validation window, and the evaluation windows).
-2. One dense forward per training window [4 of 2,048 and 2 of 4,096 tokens] captures,
+2. One dense forward per training window [4 of 2,048, 2 of 4,096 and 2 of 8,192 tokens: every
+   length the indexer serves in the harness] captures,
    per layer, the attention's input and the head-averaged dense attention of sampled
    query rows [256 per window] (:mod:`benchmark.indexer.capture`).
-3. Per layer: AdamW on ``KL(attention || softmax(index score))`` [200 steps, lr 1e-3,
+3. Per layer: AdamW on ``KL(attention || softmax(index score))`` [300 steps, lr 1e-3,
    warm-up then cosine] (:mod:`benchmark.indexer.distill`). A layer whose validation
    recall at W = context/16 falls more than ``--flag-margin`` [0.08] below the oracle's
    is flagged and retrained (another seed, half the learning rate, twice the steps);
@@ -42,8 +43,9 @@ from benchmark.indexer.checkpoints import model_rope_theta, parse_shape, resolve
 from benchmark.quality.text import NOVELS
 
 TRAIN_FRACTION = 0.8
-DEFAULT_TRAIN_CONTEXTS = (2048, 4096)
-DEFAULT_TRAIN_WINDOWS = (4, 2)
+DEFAULT_TRAIN_CONTEXTS = (2048, 4096, 8192)
+DEFAULT_TRAIN_WINDOWS = (4, 2, 2)
+DEFAULT_STEPS = 300
 DEFAULT_EVAL_CONTEXTS = (2048,)
 # Rows at or after context/4 are evaluated: their causal length exceeds every budget (<= 1/4).
 EVAL_FIRST_ROW = Fraction(1, 4)
@@ -71,14 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--novel", default="emma", help="training text (an Austen novel; default emma)")
     p.add_argument("--eval-novel", default="prideprejudice", help="the other evaluation text (default prideprejudice)")
     p.add_argument("--train-contexts", type=_int_list, default=list(DEFAULT_TRAIN_CONTEXTS),
-                   help="training window lengths (default 2048,4096)")
+                   help="training window lengths (default 2048,4096,8192)")
     p.add_argument("--train-windows", type=_int_list, default=list(DEFAULT_TRAIN_WINDOWS),
-                   help="training windows per length, one count per --train-contexts entry (default 4,2)")
+                   help="training windows per length, one count per --train-contexts entry (default 4,2,2)")
     p.add_argument("--eval-contexts", type=_int_list, default=list(DEFAULT_EVAL_CONTEXTS),
                    help="evaluation window lengths (default 2048)")
     p.add_argument("--eval-windows", type=int, default=2, help="evaluation windows per text and length (default 2)")
     p.add_argument("--rows", type=int, default=256, help="query rows sampled per window (default 256)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps per layer (default 200)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps per layer (default {DEFAULT_STEPS})")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--batch-windows", type=int, default=2, help="windows per optimizer step (default 2)")
     p.add_argument("--flag-margin", type=float, default=0.08,
