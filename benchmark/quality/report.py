@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -15,6 +16,12 @@ def _f(x, digits=3) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
     return f"{x:.{digits}f}"
+
+
+def _trained_source(selector_settings) -> str:
+    """Which trained indexer the run ranked with, for the report's prose."""
+    source = selector_settings.get("trained_source") or ""
+    return f"checkpoint `{os.path.basename(source)}`" if source else "no checkpoint file recorded"
 
 
 def markdown_report(
@@ -52,10 +59,13 @@ def markdown_report(
         "kept (p5: mean of per-layer 5th percentiles; worst p5: the lowest layer's); cos diff = "
         "1 - 2<a,b>/(|a|^2+|b|^2) of the layer's attention output; top-1 = share of heads whose "
         f"dense argmax key is kept; sink = share of the first {settings['selector_settings']['sink_tokens']} "
-        "positions kept. `learned` is a *proxy* indexer (DSA's form sum_h w_h relu(q_h.k_h) on the "
-        "model's own post-RoPE q/k, fp8-e4m3 round trip, uniform w_h), not a trained indexer; "
-        "`learned-lowrank` projects q/k to a few random dimensions first (a poor indexer); policy "
-        "modes run the real `apply_topology_kv_policy` on the `learned` rows.",
+        "positions kept. `learned` is the trained indexer "
+        f"({_trained_source(settings['selector_settings'])}); `proxy` (DSA's form "
+        "sum_h w_h relu(q_h.k) on the model's own post-RoPE q/k, uniform w_h, fp8-e4m3 round trip), "
+        "`proxy-pca` (the same on 1 x 64 principal directions) and `proxy-lowrank` (on a few "
+        "random dimensions) are untrained null models whose scores are mostly clipped to zero, "
+        "their rows largely decided by the engine's tie rule; policy modes run the real "
+        "`apply_topology_kv_policy` on the `learned` rows.",
         "",
         "| ctx | budget | W | selector | ppl | ratio | ratio (sparse rows) | recall | recall p5 | worst p5 "
         "| cos diff | top-1 | sink | s |",
