@@ -6,10 +6,10 @@ What a run does (defaults in brackets):
 
 1. Splits the training text [Emma] into its first 80% (training windows) and the last
    20% (held-out: one validation window, and the evaluation windows).
-2. One dense forward per training window [4 of 2,048, 2 of 4,096 and 2 of 8,192 tokens: every
-   length the indexer serves in the harness] captures,
-   per layer, the attention's input and the head-averaged dense attention of sampled
-   query rows [256 per window] (:mod:`benchmark.indexer.capture`).
+2. One dense forward per training window [4 of 2,048, 2 of 4,096 and 2 of 8,192 tokens:
+   every length the harness serves] captures, per layer, the attention's input and the
+   head-averaged dense attention of sampled query rows [256 per window]
+   (:mod:`benchmark.indexer.capture`).
 3. Per layer: AdamW on ``KL(attention || softmax(index score))`` [300 steps, lr 1e-3,
    warm-up then cosine] (:mod:`benchmark.indexer.distill`). A layer whose validation
    recall at W = context/16 falls more than ``--flag-margin`` [0.08] below the oracle's
