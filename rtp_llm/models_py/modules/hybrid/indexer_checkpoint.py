@@ -130,8 +130,12 @@ def _check_regular_file(path: Path) -> None:
         raise ValueError(f"indexer checkpoint {path}: {st.st_size} bytes, more than the {MAX_CHECKPOINT_BYTES} cap")
 
 
-def read_checkpoint_info(path: Path) -> IndexerCheckpointInfo:
-    """The metadata of the checkpoint at ``path`` (reads the header only)."""
+def read_checkpoint_info(path: Path, model_sha256: Optional[str] = None) -> IndexerCheckpointInfo:
+    """The metadata of the checkpoint at ``path`` (reads the header only).
+
+    model_sha256 : when given, the file must have been trained for the model with this GGUF
+        sha256 (ValueError otherwise)
+    """
     from safetensors import safe_open
 
     path = Path(path)
@@ -149,7 +153,11 @@ def read_checkpoint_info(path: Path) -> IndexerCheckpointInfo:
         raise ValueError(f"indexer checkpoint {path}: metadata is not JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"indexer checkpoint {path}: metadata: expected a JSON object")
-    return IndexerCheckpointInfo.from_json(raw, str(path))
+    info = IndexerCheckpointInfo.from_json(raw, str(path))
+    if model_sha256 is not None and info.model_sha256 != model_sha256:
+        raise ValueError(f"indexer checkpoint {path}: trained for the model with sha256 {info.model_sha256}, "
+                         f"not this one ({model_sha256}); train one for it")
+    return info
 
 
 def load_indexer_checkpoint(
@@ -169,10 +177,7 @@ def load_indexer_checkpoint(
     from safetensors import safe_open
 
     path = Path(path)
-    info = read_checkpoint_info(path)
-    if model_sha256 is not None and info.model_sha256 != model_sha256:
-        raise ValueError(f"indexer checkpoint {path}: trained for the model with sha256 {info.model_sha256}, "
-                         f"not this one ({model_sha256}); train one for it")
+    info = read_checkpoint_info(path, model_sha256)
     if shape is not None and info.shape != shape:
         raise ValueError(f"indexer checkpoint {path}: shape {info.shape}, expected {shape}")
     wanted = list(info.layers) if layers is None else sorted(set(int(x) for x in layers))

@@ -128,6 +128,9 @@ def test_checkpoint_refusals_name_the_file_and_what_differs(tmp_path):
     save_indexer_checkpoint(path, {0: _module(5), 2: _module(6)}, _info())
     with pytest.raises(ValueError, match="trained for the model with sha256 a+"):
         load_indexer_checkpoint(path, model_sha256=SHA_B)
+    with pytest.raises(ValueError, match="trained for the model with sha256 a+"):  # the header-only check
+        read_checkpoint_info(path, model_sha256=SHA_B)
+    assert read_checkpoint_info(path, model_sha256=SHA_A).model_sha256 == SHA_A
     with pytest.raises(ValueError, match=r"no indexer for layers \[1\]"):
         load_indexer_checkpoint(path, model_sha256=SHA_A, layers=[0, 1])
     other = IndexerProjectionShape(heads=1, head_dim=8, rope_dim=4, hidden_size=12, q_input_size=12)
