@@ -4,8 +4,8 @@ and the dense attention distribution of sampled query rows.
 One dense forward per text window through the quality harness's attention hook
 (:mod:`benchmark.quality.sparse_attention`): a capture selector sees each full-attention
 layer's :class:`~benchmark.quality.layer.LayerInputs` (post-RoPE q/k/v and the attention's
-input ``hidden``), records a :class:`LayerSample` and returns every causal key, so the
-forward is the dense one (the harness's select-all self-check pins that).
+input ``hidden``), records a :class:`LayerSample` and returns no rows, so the layer runs
+the model's own dense attention (SDPA: at 8k a fraction of the masked path's time).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from benchmark.quality.index_rows import dense_rows
 from benchmark.quality.layer import LayerInputs, masked_softmax
 from benchmark.quality.model import LoadedModel
 from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan
@@ -92,7 +91,7 @@ def capture_window(lm: LoadedModel, window: TextWindow, rows: torch.Tensor, laye
             query=layer.query.index_select(1, q_idx).clone() if keep_attention_qk else None,
             key=layer.key.clone() if keep_attention_qk else None,
         )
-        return dense_rows(layer.lengths, width)
+        return None  # observe only: the model's own attention
 
     plan = SparsePlan(capture, T, frozenset(layers), check_rows=False)
     ids = torch.tensor([window.token_ids], dtype=torch.int64)

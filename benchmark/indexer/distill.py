@@ -59,16 +59,23 @@ class DistillSettings:
         return floor + (self.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def index_logits(module: IndexerProjections, sample: LayerSample) -> torch.Tensor:
-    """fp32 ``[R, L]`` index scores of the sample's rows over every key, ``-inf`` past each row's length."""
+def _raw_scores(module: IndexerProjections, sample: LayerSample) -> torch.Tensor:
+    """fp32 ``[R, L]`` index scores of the sample's rows over every key (no causal mask)."""
     L = sample.hidden.shape[0]
-    positions = torch.arange(L)
-    keys = module.keys(sample.hidden, positions)  # [L, D]
+    keys = module.keys(sample.hidden, torch.arange(L))  # [L, D]
     x_rows = sample.hidden.index_select(0, sample.rows)  # [R, C]
     q = module.queries(x_rows, sample.rows)  # [R, H, D]
-    scores = weighted_relu_logits(q, module.weights(x_rows), keys)  # [R, L]
-    causal = torch.arange(L).unsqueeze(0) < sample.lengths.unsqueeze(1)
-    return scores.masked_fill(~causal, float("-inf"))
+    return weighted_relu_logits(q, module.weights(x_rows), keys)
+
+
+def _future(sample: LayerSample) -> torch.Tensor:
+    """bool ``[R, L]``: True past each row's causal length."""
+    return torch.arange(sample.hidden.shape[0]).unsqueeze(0) >= sample.lengths.unsqueeze(1)
+
+
+def index_logits(module: IndexerProjections, sample: LayerSample) -> torch.Tensor:
+    """fp32 ``[R, L]`` index scores of the sample's rows over every key, ``-inf`` past each row's length."""
+    return _raw_scores(module, sample).masked_fill(_future(sample), float("-inf"))
 
 
 def kl_to_target(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -77,6 +84,30 @@ def kl_to_target(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     p = target
     terms = torch.where(p > 0, p * (torch.log(p.clamp(min=1e-30)) - logq), torch.zeros_like(p))
     return terms.sum(dim=-1).mean()
+
+
+class _TrainingTarget:
+    """One sample's loss terms that do not depend on the weights, computed once per layer.
+
+    ``KL(p || q) = sum p log p - sum p log q``: the first sum is a constant; the second
+    needs ``log q`` only where ``p > 0`` (never past a row's causal length), so the future
+    keys are filled with a finite floor instead of ``-inf`` (``0 * floor = 0``, where
+    ``0 * -inf`` is NaN) and no per-step mask over ``p`` is needed.
+    """
+
+    FLOOR = -1e30  # exp(FLOOR - max) is 0 in fp32: the softmax over the causal keys is unchanged
+
+    def __init__(self, sample: LayerSample) -> None:
+        p = sample.target
+        self.sample = sample
+        self.future = _future(sample)
+        self.neg_entropy = float(torch.where(p > 0, p * torch.log(p.clamp(min=1e-30)), torch.zeros_like(p))
+                                 .sum(dim=-1).mean())
+
+    def loss(self, module: IndexerProjections) -> torch.Tensor:
+        """``kl_to_target(index_logits(module, sample), sample.target)`` with fewer passes."""
+        logq = torch.log_softmax(_raw_scores(module, self.sample).masked_fill(self.future, self.FLOOR), dim=-1)
+        return self.neg_entropy - (self.sample.target * logq).sum(dim=-1).mean()
 
 
 def held_out_kl(module: IndexerProjections, samples: Sequence[LayerSample]) -> float:
@@ -100,6 +131,7 @@ def train_layer(
     """
     if not samples:
         raise ValueError("samples: expected at least one training window")
+    targets = [_TrainingTarget(s) for s in samples]
     init = torch.Generator().manual_seed(seed)
     module = IndexerProjections(shape)
     with torch.no_grad():
@@ -119,7 +151,7 @@ def train_layer(
         for group in opt.param_groups:
             group["lr"] = settings.lr_at(step)
         opt.zero_grad(set_to_none=True)
-        loss = sum(kl_to_target(index_logits(module, samples[i]), samples[i].target) for i in batch) / len(batch)
+        loss = sum(targets[i].loss(module) for i in batch) / len(batch)
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))

@@ -9,7 +9,10 @@ What a run does (defaults in brackets):
 2. One dense forward per training window [4 of 2,048, 2 of 4,096 and 2 of 8,192 tokens:
    every length the harness serves] captures, per layer, the attention's input and the
    head-averaged dense attention of sampled query rows [256 per window]
-   (:mod:`benchmark.indexer.capture`).
+   (:mod:`benchmark.indexer.capture`). Every second window of each length first gets
+   random token segments written twice [``--copy-segments`` 4 per 2,048 tokens], and at
+   most every second of its second copies' rows (at most ``--rows / 4``) join the sampled rows, so the indexer also learns to find
+   an earlier copy (:mod:`benchmark.indexer.copy_segments`).
 3. Per layer: AdamW on ``KL(attention || softmax(index score))`` [300 steps, lr 1e-3,
    warm-up then cosine] (:mod:`benchmark.indexer.distill`). A layer whose validation
    recall at W = context/16 falls more than ``--flag-margin`` [0.08] below the oracle's
@@ -20,7 +23,11 @@ What a run does (defaults in brackets):
 5. Evaluates on held-out windows of the training text and of another text [Pride and
    Prejudice], at each ``--eval-contexts`` [2,048]: recall at W = 1/16, 1/8, 1/4 of the
    context for the oracle, the trained indexer, the proxies and locality
-   (:mod:`benchmark.indexer.evaluate`); a table per evaluation set, JSON and a plot.
+   (:mod:`benchmark.indexer.evaluate`); a table per evaluation set, JSON and a plot. One
+   more set per context, ``copy probe``: a copy-probe window built as the quality gate
+   builds one (the probe's segments, seed and layout written into the other text's first
+   evaluation window) and, as rows, the second copies' positions, the rows that must find
+   the first copy.
 
 ``--evaluate FILE`` skips steps 1-4 and evaluates an existing checkpoint.
 """
@@ -47,6 +54,7 @@ DEFAULT_TRAIN_CONTEXTS = (2048, 4096, 8192)
 DEFAULT_TRAIN_WINDOWS = (4, 2, 2)
 DEFAULT_STEPS = 300
 DEFAULT_EVAL_CONTEXTS = (2048,)
+DEFAULT_COPY_SEGMENTS = 4  # per 2,048 tokens, in every second training window of each length
 # Rows at or after context/4 are evaluated: their causal length exceeds every budget (<= 1/4).
 EVAL_FIRST_ROW = Fraction(1, 4)
 FIRST_TRAIN_ROW = 16  # rows shorter than this see too few keys to teach anything
@@ -79,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-contexts", type=_int_list, default=list(DEFAULT_EVAL_CONTEXTS),
                    help="evaluation window lengths (default 2048)")
     p.add_argument("--eval-windows", type=int, default=2, help="evaluation windows per text and length (default 2)")
+    p.add_argument("--copy-segments", type=int, default=DEFAULT_COPY_SEGMENTS,
+                   help="random token segments written twice per 2,048 tokens into every second training "
+                        f"window (default {DEFAULT_COPY_SEGMENTS}; 0: plain text only)")
     p.add_argument("--rows", type=int, default=256, help="query rows sampled per window (default 256)")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps per layer (default {DEFAULT_STEPS})")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
@@ -116,6 +127,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for flag in ("eval_windows", "rows", "steps", "batch_windows"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
+    if args.copy_segments < 0:
+        p.error(f"--copy-segments: expected >= 0, got {args.copy_segments}")
+    if args.copy_segments and min(args.train_contexts) < 512:
+        p.error(f"--copy-segments: expected --train-contexts >= 512 with copy segments, got {args.train_contexts} "
+                "(or --copy-segments 0)")
     for flag in ("threads", "num_layers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -151,6 +167,33 @@ def _windows(token_ids, novel, contexts, counts, seed):
     return out
 
 
+def _training_windows(token_ids, args):
+    """``[(window, extra rows)]``: the plain windows, every second one of each length with copy segments."""
+    from benchmark.indexer.copy_segments import write_copy_segments
+
+    out = []
+    vocabulary = sorted(set(token_ids))
+    for i, (ctx, n) in enumerate(zip(args.train_contexts, args.train_windows)):
+        for j, w in enumerate(_windows(token_ids, args.novel, [ctx], [n], args.seed + 7919 * i)):
+            if args.copy_segments and j % 2 == 1:
+                w, rows = write_copy_segments(w, vocabulary, args.copy_segments, args.seed * 1000 + 104729 * i + j)
+                keep = max(1, args.rows // 4)  # copy rows: at most a quarter of the sampled ones, evenly spread
+                out.append((w, rows[::max(2, -(-len(rows) // keep))]))
+            else:
+                out.append((w, []))
+    return out
+
+
+def _rows(length, count, first, seed, extra=()):
+    """:func:`~benchmark.indexer.capture.sample_rows` plus ``extra`` positions (deduplicated, ascending)."""
+    from benchmark.indexer.capture import sample_rows
+
+    rows = sample_rows(length, count, first, seed)
+    if extra:
+        rows = torch.unique(torch.cat([rows, torch.tensor(list(extra), dtype=torch.int64)]))
+    return rows
+
+
 def _bar(total, desc, disable):
     from tqdm import tqdm
 
@@ -159,21 +202,21 @@ def _bar(total, desc, disable):
 
 def train(args, lm, corpus, layers, shape, progress: bool):
     """Steps 1-4 of the module docstring: ``(projections, per-layer training record)``."""
-    from benchmark.indexer.capture import capture_window, sample_rows
+    from benchmark.indexer.capture import capture_window
     from benchmark.indexer.distill import DistillSettings, held_out_kl, train_layer
     from benchmark.indexer.evaluate import layer_recall, trained_scores
     from rtp_llm.models_py.modules.hybrid.indexer_checkpoint import round_to_stored_dtype_
 
     tokens = lm.tokenizer(corpus.texts[args.novel])["input_ids"]
     split = int(len(tokens) * TRAIN_FRACTION)
-    train_windows = _windows(tokens[:split], args.novel, args.train_contexts, args.train_windows, args.seed)
+    train_windows = _training_windows(tokens[:split], args)
     val_window = _windows(tokens[split:], args.novel, [min(args.train_contexts)], [1], args.seed + 1)[0]
     bar = _bar(len(train_windows) + 1, "capture (training windows)", not progress)
     samples = []
-    for i, w in enumerate(train_windows + [val_window]):
+    for i, (w, extra) in enumerate(train_windows + [(val_window, [])]):
         T = len(w.token_ids)
         first = FIRST_TRAIN_ROW if w is not val_window else int(T * EVAL_FIRST_ROW)
-        samples.append(capture_window(lm, w, sample_rows(T, args.rows, first, args.seed * 1000 + i), layers))
+        samples.append(capture_window(lm, w, _rows(T, args.rows, first, args.seed * 1000 + i, extra), layers))
         bar.update()
     bar.close()
     val = samples.pop()
@@ -207,7 +250,9 @@ def train(args, lm, corpus, layers, shape, progress: bool):
                          "steps": sum(a["steps"] for a in attempts),
                          "attempts": [{k: v for k, v in a.items() if k != "module"} for a in attempts]}
     bar.close()
-    return projections, record, {"train_windows": [w.describe() for w in train_windows],
+    return projections, record, {"train_windows": [{**w.describe(), "copy_rows": len(extra)}
+                                                    for w, extra in train_windows],
+                                 "copy_segments_per_2k": args.copy_segments,
                                  "val_window": val_window.describe(), "train_tokens_split": split}
 
 
@@ -215,23 +260,31 @@ def evaluate(args, lm, corpus, layers, projections, progress: bool):
     """Step 5: ``{set name: {"context": c, "windows": [...], "layers": {layer: method -> budget -> recall}}}``."""
     from benchmark.indexer.capture import capture_window, sample_rows
     from benchmark.indexer.evaluate import BUDGETS, default_methods, layer_recall
+    from benchmark.quality.probe import ProbeSettings, make_probe_window
 
     train_tokens = lm.tokenizer(corpus.texts[args.novel])["input_ids"]
     split = int(len(train_tokens) * TRAIN_FRACTION)
     other_tokens = lm.tokenizer(corpus.texts[args.eval_novel])["input_ids"]
+
+    def sampled(windows, ctx):
+        return [(w, sample_rows(ctx, args.rows, int(ctx * EVAL_FIRST_ROW), args.seed * 1000 + 500 + i))
+                for i, w in enumerate(windows)]
+
     sets = []
     for ctx in args.eval_contexts:
+        other = _windows(other_tokens, args.eval_novel, [ctx], [args.eval_windows], args.seed + 3)
         sets.append((f"{args.novel} (held out) {ctx}", ctx,
-                     _windows(train_tokens[split:], args.novel, [ctx], [args.eval_windows], args.seed + 2)))
-        sets.append((f"{args.eval_novel} {ctx}", ctx,
-                     _windows(other_tokens, args.eval_novel, [ctx], [args.eval_windows], args.seed + 3)))
+                     sampled(_windows(train_tokens[split:], args.novel, [ctx], [args.eval_windows], args.seed + 2), ctx)))
+        sets.append((f"{args.eval_novel} {ctx}", ctx, sampled(other, ctx)))
+        probe = make_probe_window(other[0], sorted(set(other_tokens)), ProbeSettings())
+        rows = torch.tensor(sorted(p for s, seg in zip(probe.second, probe.segments) for p in range(s, s + len(seg) - 1)))
+        sets.append((f"{args.eval_novel} copy probe {ctx}", ctx, [(probe.window, rows)]))
     bar = _bar(sum(len(w) for _, _, w in sets), "evaluate", not progress)
     out = {}
     for name, ctx, windows in sets:
         sums: Dict[int, Dict[str, Dict[str, float]]] = {}
         rows_total = 0
-        for i, w in enumerate(windows):
-            rows = sample_rows(ctx, args.rows, int(ctx * EVAL_FIRST_ROW), args.seed * 1000 + 500 + i)
+        for w, rows in windows:
             captured = capture_window(lm, w, rows, layers, keep_attention_qk=True)
             for layer in layers:
                 r = layer_recall([captured[layer]], default_methods(projections.get(layer), True), ctx, BUDGETS)
@@ -243,7 +296,7 @@ def evaluate(args, lm, corpus, layers, projections, progress: bool):
             rows_total += rows.numel()
             del captured
             bar.update()
-        out[name] = {"context": ctx, "windows": [w.describe() for w in windows],
+        out[name] = {"context": ctx, "windows": [w.describe() for w, _ in windows],
                      "layers": {layer: {m: {b: v / rows_total for b, v in d.items()} for m, d in acc.items()}
                                 for layer, acc in sums.items()}}
     bar.close()

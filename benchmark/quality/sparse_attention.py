@@ -21,7 +21,9 @@ argument that transformers passes down to every attention call::
   attention runs in query chunks with that mask. Rows of causal length ``<= W`` are
   dense by the convention itself. With ``metrics``, the same chunks also compute dense
   attention of the *same layer input* and record per-row recall, cosine difference,
-  top-1 hit and sink retention for rows longer than ``W``.
+  top-1 hit and sink retention for rows longer than ``W``;
+* a selector that returns ``None`` (it only observes the layer: the indexer's training
+  capture) leaves the layer dense: the model's own attention runs, as with no plan.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class SparsePlan:
 
     Attributes
     ----------
-    selector : ``(LayerInputs, W, stats) -> [T, W]`` rows (:mod:`benchmark.quality.selector_base`)
+    selector : ``(LayerInputs, W, stats) -> [T, W]`` rows (:mod:`benchmark.quality.selector_base`),
+        or ``None`` for "every causal key": the model's own attention (no ``metrics`` then)
     width : the budget W (tokens per query row)
     full_attention_layers : layer indices to make sparse; others run as the model defines
     metrics : per-layer metric accumulator, or None to skip the dense comparison
@@ -351,6 +354,11 @@ def topology_kv_attention(module, query, key, value, attention_mask, scaling=Non
     start = time.perf_counter()
     rows = plan.selector(layer, plan.width, stats)
     timed["selector"] = timed.get("selector", 0.0) + time.perf_counter() - start
+    if rows is None:
+        if plan.metrics is not None:
+            raise ValueError(f"topology_kv_quality attention: the selector returned no rows at layer {layer_idx} "
+                             "under a plan with metrics (metrics compare selected rows against dense)")
+        return _model_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     if plan.check_rows:
         start = time.perf_counter()
         # Order inside a row does not matter to attention; the policy may permute short rows.

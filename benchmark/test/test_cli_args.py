@@ -131,6 +131,8 @@ BAD_FLAGS = [
     ("indexer_train", ["--out", "x.safetensors", "--train-windows", "1"], "--train-windows"),
     ("indexer_train", ["--out", "x.safetensors", "--steps", "0"], "--steps"),
     ("indexer_train", ["--out", "x.safetensors", "--flag-margin", "1.5"], "--flag-margin"),
+    ("indexer_train", ["--out", "x.safetensors", "--copy-segments", "-1"], "--copy-segments"),
+    ("indexer_train", ["--out", "x.safetensors", "--train-contexts", "256", "--train-windows", "1"], "--copy-segments"),
 ]
 
 

@@ -114,3 +114,162 @@ def test_proxy_on_offset_keys_is_decided_by_ties_and_drops_the_newest():
     last = rows[-1].tolist()  # the newest row: length L
     assert sorted(last) == list(range(W)), "ties keep the oldest positions"
     assert L - 1 not in last, "the current token itself is dropped"
+
+
+# ---------------------------------------------------------------------------
+# The training loss's fast form, and the retrieval-shaped training windows.
+
+from hypothesis import given, settings as hsettings, strategies as st  # noqa: E402
+
+from benchmark.indexer.copy_segments import SEGMENT_RANGE, FIRST_FREE, segments_for, write_copy_segments  # noqa: E402
+from benchmark.indexer.distill import _TrainingTarget, index_logits, kl_to_target  # noqa: E402
+from benchmark.indexer.capture import LayerSample  # noqa: E402
+from rtp_llm.models_py.modules.hybrid.indexer_projections import IndexerProjections  # noqa: E402
+
+
+@hsettings(max_examples=25, deadline=None)
+@given(L=st.integers(2, 80), R=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_training_loss_equals_the_kl_and_its_gradient(L, R, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = IndexerProjectionShape(heads=2, head_dim=8, rope_dim=4, hidden_size=16, q_input_size=16)
+    torch.manual_seed(seed)
+    module = IndexerProjections(shape)
+    rows = torch.randint(0, L, (R,), generator=g).unique()
+    target = torch.rand(rows.numel(), L, generator=g) * (torch.arange(L)[None] <= rows[:, None])
+    target[target < 0.3] = 0.0  # zeros inside the causal span too
+    target[torch.arange(rows.numel()), rows] += 0.1  # every row keeps some mass
+    target = target / target.sum(dim=1, keepdim=True)
+    sample = LayerSample(hidden=torch.randn(L, 16, generator=g) * 3, rows=rows, target=target)
+    reference = kl_to_target(index_logits(module, sample), target)
+    (ref_grad,) = torch.autograd.grad(reference, module.wk.weight)
+    fast = _TrainingTarget(sample).loss(module)
+    (fast_grad,) = torch.autograd.grad(fast, module.wk.weight)
+    assert torch.isfinite(fast)
+    torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_grad, ref_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_copy_segments_by_hand():
+    assert [segments_for(n, 4) for n in (2048, 4096, 8192, 300)] == [4, 8, 16, 1]
+    assert segments_for(2048, 0) == 0
+    base = TextWindow("t", 5, tuple(range(1000, 3048)))
+    out, rows = write_copy_segments(base, [1, 2, 3], 4, seed=7)
+    assert (out.novel, out.token_start, len(out.token_ids)) == ("t+copies", 5, 2048)
+    ids = out.token_ids
+    changed = [i for i in range(2048) if ids[i] != base.token_ids[i]]
+    assert set(ids[i] for i in changed) <= {1, 2, 3} and min(changed) >= FIRST_FREE
+    # Each row r predicts token r + 1 from a second copy; the same two tokens sit earlier, at the first copy.
+    assert rows == sorted(set(rows)) and len(rows) > 0
+    for r in rows:
+        pair = ids[r:r + 2]
+        assert all(t in (1, 2, 3) for t in pair)
+        assert any(ids[j:j + 2] == pair for j in range(FIRST_FREE, r - SEGMENT_RANGE[0] + 1))
+    assert write_copy_segments(base, [1, 2, 3], 4, seed=7) == (out, rows)  # seeded
+    assert write_copy_segments(base, [1, 2, 3], 0, seed=7) == (TextWindow("t+copies", 5, base.token_ids), [])
+
+
+@hsettings(max_examples=40, deadline=None)
+@given(T=st.integers(FIRST_FREE + 4 * SEGMENT_RANGE[1], 3000), per=st.integers(1, 12), seed=st.integers(0, 10**6))
+def test_copy_segments_write_two_copies_of_each_segment_without_overlap(T, per, seed):
+    base = TextWindow("t", 0, tuple([-1] * T))  # every written token is a vocabulary id >= 0
+    out, rows = write_copy_segments(base, range(50), per, seed)
+    ids = out.token_ids
+    assert len(ids) == T and all(t == -1 for t in ids[:FIRST_FREE])
+    # One run of S - 1 consecutive rows per second copy (a row past each run's end is never
+    # included, so runs of adjacent copies stay apart).
+    runs = []
+    for r in rows:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    assert 1 <= len(runs) <= segments_for(T, per)
+    written = 0
+    for run in runs:
+        second, S = run[0], len(run) + 1
+        assert SEGMENT_RANGE[0] <= S <= SEGMENT_RANGE[1]
+        segment = ids[second:second + S]
+        assert all(t >= 0 for t in segment)
+        firsts = [f for f in range(FIRST_FREE, second - S + 1) if ids[f:f + S] == segment]
+        assert firsts, f"no earlier copy of the segment at {second}"
+        written += 2 * S
+    assert written == sum(t != -1 for t in ids), "every written token belongs to one copy of a segment"
+
+
+def test_an_observing_selector_leaves_the_forward_dense(captured):
+    """The training capture's selector returns no rows: the forward is the model's own, bit for bit."""
+    from benchmark.quality.index_rows import dense_rows
+    from benchmark.quality.metrics import LayerMetrics
+
+    lm, layers = captured[0], captured[1]
+    ids = torch.tensor([_window(5).token_ids])
+    with torch.no_grad():
+        plain = lm.model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+        seen = []
+        observe = sparse_attention.SparsePlan(lambda layer, width, stats: seen.append(layer.layer_idx), T,
+                                              frozenset(layers), check_rows=False)
+        observed = lm.model.base_model(input_ids=ids, use_cache=False,
+                                       **{sparse_attention.PLAN_KWARG: observe}).last_hidden_state
+        masked = sparse_attention.SparsePlan(lambda layer, width, stats: dense_rows(layer.lengths, width), T,
+                                             frozenset(layers))
+        all_rows = lm.model.base_model(input_ids=ids, use_cache=False,
+                                       **{sparse_attention.PLAN_KWARG: masked}).last_hidden_state
+    assert seen == layers
+    assert torch.equal(observed, plain)
+    torch.testing.assert_close(all_rows, plain, rtol=1e-5, atol=1e-5)  # the masked path: dense up to rounding
+    with_metrics = sparse_attention.SparsePlan(lambda layer, width, stats: None, T, frozenset(layers),
+                                               metrics=LayerMetrics())
+    with pytest.raises(ValueError, match="returned no rows at layer 0"):
+        with torch.no_grad():
+            lm.model.base_model(input_ids=ids, use_cache=False, **{sparse_attention.PLAN_KWARG: with_metrics})
+
+
+def test_training_windows_and_evaluation_sets_of_the_command(captured):
+    """train_cli's window plan (copy segments in every second window) and its evaluation sets, on the tiny model."""
+    import argparse
+    import random
+
+    from benchmark.indexer import train_cli
+    from benchmark.quality.probe import ProbeSettings, make_probe_window
+
+    lm, layers = captured[0], captured[1]
+    rng = random.Random(3)
+    texts = {n: "".join(chr(97 + rng.randrange(26)) for _ in range(4000)) for n in ("emma", "prideprejudice")}
+
+    class Corpus:
+        pass
+
+    corpus = Corpus()
+    corpus.texts = texts
+    tiny = type(lm)(model=lm.model, tokenizer=lambda text: {"input_ids": [ord(c) % 97 for c in text]},
+                    gguf_path=None, gguf_sha256="", full_attention_layers=lm.full_attention_layers)
+    args = argparse.Namespace(novel="emma", eval_novel="prideprejudice", train_contexts=[512, 640],
+                              train_windows=[2, 1], copy_segments=4, rows=32, seed=0, eval_contexts=[512],
+                              eval_windows=2)
+    tokens = tiny.tokenizer(texts["emma"])["input_ids"]
+    plan = train_cli._training_windows(tokens, args)
+    assert [len(w.token_ids) for w, _ in plan] == [512, 512, 640]
+    assert [w.novel for w, _ in plan] == ["emma", "emma+copies", "emma"]
+    assert plan[0][1] == [] and plan[2][1] == [] and 0 < len(plan[1][1]) <= args.rows // 4
+    rows = train_cli._rows(512, args.rows, 16, 0, plan[1][1])
+    assert rows.tolist() == sorted(set(rows.tolist())) and set(plan[1][1]) <= set(rows.tolist())
+
+    projections = {x: train_layer(IndexerProjectionShape(heads=1, head_dim=16, rope_dim=8, hidden_size=64,
+                                                         q_input_size=64), [s[x] for s in captured[2]],
+                                  DistillSettings(steps=20, lr=1e-2), seed=x)[0] for x in layers}
+    ev = train_cli.evaluate(args, tiny, corpus, layers, projections, progress=False)
+    assert list(ev) == ["emma (held out) 512", "prideprejudice 512", "prideprejudice copy probe 512"]
+    copy = ev["prideprejudice copy probe 512"]
+    other = train_cli._windows(tiny.tokenizer(texts["prideprejudice"])["input_ids"], "prideprejudice", [512], [2], 3)
+    probe = make_probe_window(other[0], sorted(set(tiny.tokenizer(texts["prideprejudice"])["input_ids"])),
+                              ProbeSettings())
+    assert copy["windows"] == [probe.window.describe()]
+    for name, s in ev.items():
+        for x in layers:
+            r = s["layers"][x]
+            assert set(r) == {"oracle", "trained", "proxy", "proxy-pca", "locality"}
+            for method, by_budget in r.items():
+                for b, v in by_budget.items():
+                    assert 0.0 <= v <= r["oracle"][b] + 1e-9, (name, x, method, b)
+    summary = train_cli.summarize(ev)
+    assert "prideprejudice copy probe 512" in train_cli.markdown(ev, summary)
