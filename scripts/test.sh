@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test two ways: through Bazel (`bazel test //...`, the sandboxed path with
-# declared runfiles) and with plain pytest from the venv. Non-zero exit on any failure.
+# declared runfiles) and with plain pytest from the venv, then the GPU check's CPU smoke
+# mode (scripts/gpu_check.sh --smoke). Non-zero exit on any failure.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -35,6 +36,17 @@ if [ "$rc" -eq 5 ]; then
   status=1
 elif [ "$rc" -ne 0 ]; then
   echo "[test] FAILED: pytest exited $rc" >&2
+  status=1
+fi
+
+echo "[test] bash scripts/gpu_check.sh --smoke  (the GPU check's machinery, on the CPU)"
+smoke_dir="$(mktemp -d)"
+set +e
+bash scripts/gpu_check.sh --smoke "$smoke_dir"
+rc=$?
+set -e
+if [ "$rc" -ne 0 ]; then
+  echo "[test] FAILED: gpu_check.sh --smoke exited $rc (its report: $smoke_dir/gpu_check.md)" >&2
   status=1
 fi
 

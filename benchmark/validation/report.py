@@ -66,16 +66,28 @@ def _run_json_part(main: Callable[[Sequence[str]], int], script: str, argv: List
     return payload
 
 
+def micro_argv(quick: bool) -> List[str]:
+    """The attention microbenchmark's grid (``topology_kv_candidate_schedule.py``), without device and cache."""
+    if quick:
+        return ["--seq-len", "4096", "--selected-tokens", "128", "256", "--rounds", "10", "--warmup", "3"]
+    # the screening command line (16k context, 4 budgets)
+    return ["--seq-len", "16384", "--selected-tokens", "128", "256", "512", "1024", "--heads", "16",
+            "--head-dim", "64", "--rounds", "60", "--warmup", "20"]
+
+
+def policy_argv(quick: bool) -> List[str]:
+    """The policy overhead bench's grid (``topology_kv_policy_bench.py``), without the device."""
+    if quick:
+        return ["--quick"]
+    return ["--rows", "1", "8", "64", "1024", "--lengths", "8192", "131072", "--rounds", "5", "--warmup", "1"]
+
+
 def run_micro(out_dir: Path, quick: bool, device: str) -> Dict:
     """Cold caches are the headline (serving never finds the KV in the last-level cache);
     the warm run (a hot loop) is a side column."""
     from benchmark.candidates import schedule_bench as micro
 
-    if quick:
-        argv = ["--seq-len", "4096", "--selected-tokens", "128", "256", "--rounds", "10", "--warmup", "3"]
-    else:  # the screening command line (16k context, 4 budgets)
-        argv = ["--seq-len", "16384", "--selected-tokens", "128", "256", "512", "1024", "--heads", "16",
-                "--head-dim", "64", "--rounds", "60", "--warmup", "20"]
+    argv = micro_argv(quick)
     cold = _run_json_part(micro.main, "topology_kv_candidate_schedule.py", argv + ["--device", device,
                           "--cache", "cold"], out_dir / "micro.json")
     warm = _run_json_part(micro.main, "topology_kv_candidate_schedule.py", argv + ["--device", device,
@@ -103,11 +115,7 @@ def micro_markdown(cold: List[Dict], warm: List[Dict]) -> str:
 def run_policy(out_dir: Path, quick: bool, device: str) -> Dict:
     from benchmark.candidates import policy_bench as bench
 
-    if quick:
-        argv = ["--quick"]
-    else:
-        argv = ["--rows", "1", "8", "64", "1024", "--lengths", "8192", "131072", "--rounds", "5", "--warmup", "1"]
-    payload = _run_json_part(bench.main, "topology_kv_policy_bench.py", argv + ["--device", device],
+    payload = _run_json_part(bench.main, "topology_kv_policy_bench.py", policy_argv(quick) + ["--device", device],
                              out_dir / "policy.json")
     payload["markdown"] = policy_markdown(payload["rows"])
     return payload
