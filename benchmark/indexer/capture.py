@@ -5,7 +5,8 @@ One dense forward per text window through the quality harness's attention hook
 (:mod:`benchmark.quality.sparse_attention`): a capture selector sees each full-attention
 layer's :class:`~benchmark.quality.layer.LayerInputs` (post-RoPE q/k/v and the attention's
 input ``hidden``), records a :class:`LayerSample` and returns no rows, so the layer runs
-the model's own dense attention (SDPA: at 8k a fraction of the masked path's time).
+the model's own dense attention (SDPA), not the harness's masked path with a ``[T, L]``
+row matrix per layer.
 """
 
 from __future__ import annotations

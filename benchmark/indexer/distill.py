@@ -101,8 +101,7 @@ class _TrainingTarget:
         p = sample.target
         self.sample = sample
         self.future = _future(sample)
-        self.neg_entropy = float(torch.where(p > 0, p * torch.log(p.clamp(min=1e-30)), torch.zeros_like(p))
-                                 .sum(dim=-1).mean())
+        self.neg_entropy = float(torch.xlogy(p, p).sum(dim=-1).mean())  # 0 log 0 = 0
 
     def loss(self, module: IndexerProjections) -> torch.Tensor:
         """``kl_to_target(index_logits(module, sample), sample.target)`` with fewer passes."""

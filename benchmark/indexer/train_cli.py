@@ -11,8 +11,9 @@ What a run does (defaults in brackets):
    head-averaged dense attention of sampled query rows [256 per window]
    (:mod:`benchmark.indexer.capture`). Every second window of each length first gets
    random token segments written twice [``--copy-segments`` 4 per 2,048 tokens], and at
-   most every second of its second copies' rows (at most ``--rows / 4``) join the sampled rows, so the indexer also learns to find
-   an earlier copy (:mod:`benchmark.indexer.copy_segments`).
+   most every second of its second copies' rows (at most ``--rows / 4``) join the sampled
+   rows, so the indexer also learns to find an earlier copy
+   (:mod:`benchmark.indexer.copy_segments`).
 3. Per layer: AdamW on ``KL(attention || softmax(index score))`` [300 steps, lr 1e-3,
    warm-up then cosine] (:mod:`benchmark.indexer.distill`). A layer whose validation
    recall at W = context/16 falls more than ``--flag-margin`` [0.08] below the oracle's
@@ -277,8 +278,7 @@ def evaluate(args, lm, corpus, layers, projections, progress: bool):
                      sampled(_windows(train_tokens[split:], args.novel, [ctx], [args.eval_windows], args.seed + 2), ctx)))
         sets.append((f"{args.eval_novel} {ctx}", ctx, sampled(other, ctx)))
         probe = make_probe_window(other[0], sorted(set(other_tokens)), ProbeSettings())
-        rows = torch.tensor(sorted(p for s, seg in zip(probe.second, probe.segments) for p in range(s, s + len(seg) - 1)))
-        sets.append((f"{args.eval_novel} copy probe {ctx}", ctx, [(probe.window, rows)]))
+        sets.append((f"{args.eval_novel} copy probe {ctx}", ctx, [(probe.window, torch.tensor(probe.copy_rows()))]))
     bar = _bar(sum(len(w) for _, _, w in sets), "evaluate", not progress)
     out = {}
     for name, ctx, windows in sets:

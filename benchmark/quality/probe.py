@@ -52,6 +52,10 @@ class ProbeWindow:
     distances: Tuple[int, ...]  # second - first, in tokens
     segments: Tuple[Tuple[int, ...], ...]
 
+    def copy_rows(self) -> List[int]:
+        """Ascending positions that predict a second copy's tokens ``1 .. S-1``: ``s .. s+S-2`` per copy."""
+        return sorted(p for s, seg in zip(self.second, self.segments) for p in range(s, s + len(seg) - 1))
+
 
 def probe_layout(context: int, settings: ProbeSettings) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]:
     """(first starts, second starts, distances) for ``context``; UsageError when they cannot fit.

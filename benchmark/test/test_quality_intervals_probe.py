@@ -190,6 +190,9 @@ def test_probe_window_writes_each_segment_twice():
         assert ids[f:f + 32] == seg == ids[s:s + 32] and all(50 <= t < 90 for t in seg)
     untouched = set(range(512)) - {p for f in pw.first + pw.second for p in range(f, f + 32)}
     assert all(ids[p] == base.token_ids[p] for p in untouched)
+    # context 512, 3 copies of 32 at the end: second copies start at 416, 448, 480; 31 predicting rows each
+    assert pw.second == (416, 448, 480)
+    assert pw.copy_rows() == list(range(416, 447)) + list(range(448, 479)) + list(range(480, 511))
 
 
 def test_probe_scores_a_perfect_copier_and_keeps_only_selectors_near_dense():

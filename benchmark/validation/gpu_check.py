@@ -42,7 +42,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = ("torch", "pytest", "hypothesis")
@@ -112,38 +112,31 @@ def _pytest_counts(text: str) -> Dict[str, int]:
     return counts
 
 
-def run_suite(suite: Suite, device: str, python: str, log_dir: Path, timeout_s: float) -> Dict[str, object]:
-    env = dict(os.environ, TOPOLOGY_KV_TEST_DEVICE=device, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    if device == "cuda":
-        env.pop("TRITON_INTERPRET", None)
-    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *suite.files]
+def _run(cmd: List[str], log: Path, timeout_s: float,
+         env: Optional[Dict[str, str]] = None) -> Tuple[Dict[str, object], str]:
+    """Run ``cmd`` from the root with the checkout importable: ``(result, output)``; the output also goes to ``log``."""
+    env = dict(os.environ if env is None else env, HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(1.0, timeout_s))
         text, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as err:
-        text = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
-        text, rc = text + f"\n[gpu_check] timed out after {timeout_s:.0f} s", 124
-    seconds = time.perf_counter() - start
-    (log_dir / suite.log_name).write_text(text)
-    missing = sorted(set(MISSING_RE.findall(text)))
-    return {"suite": suite.name, "files": list(suite.files), "rc": rc, "ok": rc == 0, "seconds": round(seconds, 1),
-            "counts": _pytest_counts(text), "missing_modules": missing,
-            "tail": "\n".join(text.strip().splitlines()[-15:]) if rc != 0 else ""}
-
-
-def _run(cmd: List[str], log: Path, timeout_s: float, env_extra: Optional[Dict[str, str]] = None) -> Dict[str, object]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", **(env_extra or {}))
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(1.0, timeout_s))
-        text, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired:
-        text, rc = f"[gpu_check] timed out after {timeout_s:.0f} s", 124
+        partial = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
+        text, rc = partial + f"\n[gpu_check] timed out after {timeout_s:.0f} s", 124
     log.write_text(text)
     return {"command": " ".join(cmd[1:]), "rc": rc, "ok": rc == 0, "seconds": round(time.perf_counter() - start, 1),
             "missing_modules": sorted(set(MISSING_RE.findall(text))),
-            "tail": "\n".join(text.strip().splitlines()[-15:]) if rc != 0 else ""}
+            "tail": "\n".join(text.strip().splitlines()[-15:]) if rc != 0 else ""}, text
+
+
+def run_suite(suite: Suite, device: str, python: str, log_dir: Path, timeout_s: float) -> Dict[str, object]:
+    env = dict(os.environ, TOPOLOGY_KV_TEST_DEVICE=device)
+    if device == "cuda":
+        env.pop("TRITON_INTERPRET", None)
+    r, text = _run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *suite.files], log_dir / suite.log_name,
+                   timeout_s, env)
+    return {"suite": suite.name, "files": list(suite.files), "counts": _pytest_counts(text), **r}
 
 
 def markdown(result: Dict[str, object]) -> str:
@@ -243,8 +236,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              micro_argv(args.smoke) + ["--device", device, "--cache", "cold", "--json", str(out / "micro.json")]),
             ("policy", "benchmark/topology_kv_policy_bench.py",
              policy_argv(args.smoke) + ["--device", device, "--json", str(out / "policy.json")])):
-        r = _run([sys.executable, script, *argv], logs / f"{name}.log",
-                 max(60.0, started + args.budget_s - time.perf_counter()))
+        r, _ = _run([sys.executable, script, *argv], logs / f"{name}.log",
+                    max(60.0, started + args.budget_s - time.perf_counter()))
         bench["parts"].append({"part": name, **r})
         print(f"[gpu_check] {name} bench: {'ok' if r['ok'] else 'FAIL'} in {r['seconds']} s", flush=True)
     bench.update(rc=max(p["rc"] for p in bench["parts"]), ok=all(p["ok"] for p in bench["parts"]),
@@ -255,8 +248,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     not_covered = [f"{r['suite']} ({r['reason']})" for r in results if r.get("rc") is None]
     t0 = time.perf_counter()
     if args.smoke:
-        e2e = _run([sys.executable, "benchmark/topology_kv_decode_e2e.py", "--quick", "--no-progress",
-                    "--json", str(out / "e2e.json")], logs / "e2e.log", 600.0)
+        e2e, _ = _run([sys.executable, "benchmark/topology_kv_decode_e2e.py", "--quick", "--no-progress",
+                       "--json", str(out / "e2e.json")], logs / "e2e.log", 600.0)
         print(f"[gpu_check] e2e (quick, cpu): {'ok' if e2e['ok'] else 'FAIL'} in {e2e['seconds']} s", flush=True)
     else:
         e2e = {"rc": None, "ok": False, "seconds": 0,
