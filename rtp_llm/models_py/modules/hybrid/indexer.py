@@ -345,14 +345,17 @@ class Indexer(nn.Module):
     ) -> None:
         """Store this step's keys ``[T, D]`` at ``slot_mapping`` (int ``[T]``, every slot
         valid) and feed them, as stored, to ``drift_tracker`` (needs ``positions`` and,
-        for a batch, ``request_ids``). Reference of the engine's ``quant_k_only``."""
+        for a batch, ``request_ids``). Reference of the engine's ``quant_k_only``. With a
+        tracker, the store and the tracker's update are one call
+        (:meth:`BlockDriftTracker.update`: one C++ pass over the keys on CPU)."""
         stored = indexer_torch_ops.fp8_e4m3_round_trip(keys) if self.fp8_emulation else keys
         pool = kv_cache.k_cache.view(-1, kv_cache.k_cache.shape[-1])
-        pool[slot_mapping.to(torch.int64)] = stored.to(pool.dtype)
-        if drift_tracker is not None:
-            if positions is None:
-                raise ValueError("positions: expected the keys' request-local positions to feed drift_tracker")
-            drift_tracker.update(stored, positions, request_ids)
+        if drift_tracker is None:
+            pool[slot_mapping.to(torch.int64)] = stored.to(pool.dtype)
+            return
+        if positions is None:
+            raise ValueError("positions: expected the keys' request-local positions to feed drift_tracker")
+        drift_tracker.update(stored, positions, request_ids, pool=pool, slots=slot_mapping)
 
     # ------------------------------------------------------------------ the three ops
 

@@ -23,6 +23,7 @@ import torch
 
 from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import FLOAT_DTYPES, check_block_keys, check_tensor
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import DEFAULT_BLOCK_SIZE, parse_enum_member
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_drift
 
 
 class DriftMetric(enum.Enum):
@@ -108,17 +109,36 @@ def block_drift_scores(centroids: torch.Tensor, metric: Union[DriftMetric, str] 
 
 def block_drift_scores_unchecked(centroids: torch.Tensor, metric: DriftMetric = DriftMetric.L2) -> torch.Tensor:
     """:func:`block_drift_scores` without validation (no host sync)."""
-    acc_dtype = torch.float64 if centroids.dtype == torch.float64 else torch.float32
-    c = centroids.to(acc_dtype).flatten(-2)  # [..., N, H*D]
-    scores = torch.zeros(c.shape[:-1], dtype=acc_dtype, device=c.device)  # [..., N]
+    out_dtype = torch.float64 if centroids.dtype == torch.float64 else torch.float32
+    c = centroids.to(out_dtype).flatten(-2)  # [..., N, H*D]
+    scores = torch.zeros(c.shape[:-1], dtype=out_dtype, device=c.device)  # [..., N]
     if c.shape[-2] > 1:
-        cur, prev = c[..., 1:, :], c[..., :-1, :]
-        if metric is DriftMetric.L2:
-            scores[..., 1:] = torch.linalg.vector_norm(cur - prev, dim=-1)
-        else:
-            cos = torch.nn.functional.cosine_similarity(cur, prev, dim=-1, eps=1e-12)
-            scores[..., 1:] = 1.0 - cos
+        scores[..., 1:] = pair_drift_unchecked(c[..., :-1, :], c[..., 1:, :], metric)
     return scores
+
+
+def pair_drift_unchecked(prev: torch.Tensor, cur: torch.Tensor, metric: DriftMetric = DriftMetric.L2) -> torch.Tensor:
+    """Drift of centroid ``cur`` from ``prev`` (float ``[..., K]`` each), ``[...]``; no validation.
+
+    The rule every path follows bit for bit: fp32 (fp64) differences ``cur - prev``, their
+    squares (cosine: ``cur * cur``, ``prev * prev``, ``cur * prev``) summed in fp64 in
+    index order, the square root in fp64, rounded once to the input's dtype. Cosine drift
+    is ``1 - ab / sqrt(max(a2 * b2, 1e-24))`` (a zero centroid: drift 1). Products of fp32
+    values are exact in fp64, so the sum's order is the only freedom, and it is fixed:
+    ``cumsum`` runs in index order on the CPU.
+    """
+    out_dtype = torch.float64 if cur.dtype == torch.float64 else torch.float32
+
+    def total(x: torch.Tensor) -> torch.Tensor:  # fp64 sum over K in index order
+        return torch.cumsum(x, dim=-1, dtype=torch.float64)[..., -1]
+
+    if metric is DriftMetric.L2:
+        d = (cur - prev).to(torch.float64)
+        return total(d * d).sqrt().to(out_dtype)
+    c, p = cur.to(torch.float64), prev.to(torch.float64)
+    a2, b2, ab = total(c * c), total(p * p), total(c * p)
+    denom = torch.fmax(a2 * b2, torch.full_like(a2, 1e-24)).sqrt()
+    return (1.0 - ab / denom).to(out_dtype)
 
 
 class BlockDriftTracker:
@@ -167,6 +187,7 @@ class BlockDriftTracker:
         self._sums = torch.zeros(B, N + 1, key_dim, dtype=torch.float32, device=device)
         self._counts = torch.zeros(B, N + 1, dtype=torch.float32, device=device)
         self._drift_flat = torch.zeros(B * N + 1, dtype=torch.float32, device=device)  # last: dump
+        self._fused: Optional[bool] = None  # whether update() runs the C++ kernel (decided on first use)
 
     @property
     def device(self) -> torch.device:
@@ -216,8 +237,21 @@ class BlockDriftTracker:
         self._counts.index_fill_(0, ids, 0.0)
         self.drift_scores().index_fill_(0, ids, 0.0)
 
+    @property
+    def fused(self) -> bool:
+        """Whether :meth:`update` runs the one-call C++ kernel (CPU state and a working build)."""
+        if self._fused is None:
+            self._fused = cpu_drift.can_use_drift_kernel(self.device)
+        return self._fused
+
     def update(
-        self, keys: torch.Tensor, positions: torch.Tensor, request_ids: Optional[torch.Tensor] = None
+        self,
+        keys: torch.Tensor,
+        positions: torch.Tensor,
+        request_ids: Optional[torch.Tensor] = None,
+        *,
+        pool: Optional[torch.Tensor] = None,
+        slots: Optional[torch.Tensor] = None,
     ) -> None:
         """Add new keys to their blocks and refresh the drift they affect; no host sync.
 
@@ -227,16 +261,63 @@ class BlockDriftTracker:
         positions : int ``[T]`` request-local token positions; ``< 0`` or past
             ``max_blocks * block_size`` are ignored
         request_ids : int ``[T]`` request (block-table row) of each key, or None (all 0)
+        pool, slots : optional ``[S, K]`` key pool and int ``[T]`` slots: the keys are
+            stored there too (``pool[slots] = keys.to(pool.dtype)``), in the same call
+
+        On CPU (:attr:`fused`) one C++ call does it all, bit for bit as
+        :meth:`update_reference` (the specification; every other device runs it); a bad
+        request id or slot raises before anything is written.
         """
+        T = self._check_update(keys, positions, request_ids, pool, slots)
+        if self._fused is None:
+            self._fused = cpu_drift.can_use_drift_kernel(self.device)
+        if self._fused and keys.is_cpu and positions.is_cpu and (request_ids is None or request_ids.is_cpu) and (
+                pool is None or (pool.is_cpu and slots.is_cpu and pool.dtype in cpu_drift.POOL_DTYPES
+                                 and pool.stride(1) == 1 and keys.dtype in cpu_drift.EXACT_IN_FP32)):
+            cpu_drift.track_keys_cpu(
+                keys.reshape(T, self.key_dim), positions, request_ids, self._sums, self._counts, self._drift_flat,
+                block_size=self.block_size, cosine=self.metric is DriftMetric.COSINE, pool=pool, slots=slots,
+            )
+            return
+        self._update_torch(keys, positions, request_ids, pool, slots)
+
+    def update_reference(
+        self,
+        keys: torch.Tensor,
+        positions: torch.Tensor,
+        request_ids: Optional[torch.Tensor] = None,
+        *,
+        pool: Optional[torch.Tensor] = None,
+        slots: Optional[torch.Tensor] = None,
+    ) -> None:
+        """:meth:`update` in torch ops on any device (the specification of the fused kernel)."""
+        self._check_update(keys, positions, request_ids, pool, slots)
+        self._update_torch(keys, positions, request_ids, pool, slots)
+
+    def _check_update(self, keys, positions, request_ids, pool, slots) -> int:
         T = keys.shape[0]
         if positions.shape != (T,) or (request_ids is not None and request_ids.shape != (T,)):
             raise ValueError(
                 f"positions / request_ids: expected shape ({T},) like keys' first dim, got "
                 f"{tuple(positions.shape)} / {None if request_ids is None else tuple(request_ids.shape)}"
             )
-        flat = keys.reshape(T, -1).to(device=self.device, dtype=torch.float32)  # [T, K]
-        if flat.shape[1] != self.key_dim:
+        if keys.numel() != T * self.key_dim:
             raise ValueError(f"keys: expected {self.key_dim} values per token, got shape {tuple(keys.shape)}")
+        if (pool is None) != (slots is None):
+            raise ValueError("pool / slots: expected both or neither, got "
+                             f"{'a pool' if pool is not None else 'no pool'} and {'slots' if slots is not None else 'no slots'}")
+        if pool is not None:
+            if pool.dim() != 2 or pool.shape[1] != self.key_dim:
+                raise ValueError(f"pool: expected [S, {self.key_dim}], got shape {tuple(pool.shape)}")
+            if slots.shape != (T,):
+                raise ValueError(f"slots: expected shape ({T},) like keys' first dim, got {tuple(slots.shape)}")
+        return T
+
+    def _update_torch(self, keys, positions, request_ids, pool, slots) -> None:
+        T = keys.shape[0]
+        if pool is not None:
+            pool[slots.to(torch.int64)] = keys.reshape(T, self.key_dim).to(pool.dtype)
+        flat = keys.reshape(T, self.key_dim).to(device=self.device, dtype=torch.float32)  # [T, K]
         N, bs = self.max_blocks, self.block_size
         pos = positions.to(device=self.device, dtype=torch.int64)
         req = (
@@ -256,7 +337,7 @@ class BlockDriftTracker:
         sums = self._sums[req.view(T, 1, 1), pair]  # [T, 2, 2, K]
         counts = self._counts[req.view(T, 1, 1), pair]  # [T, 2, 2]
         cents = sums / counts.clamp(min=1).unsqueeze(-1)
-        drift = block_drift_scores_unchecked(cents.unsqueeze(-1), self.metric)[..., 1]  # [T, 2]
+        drift = pair_drift_unchecked(cents[..., 0, :], cents[..., 1, :], self.metric)  # [T, 2]
         live = (target >= 1) & (target < N)
         complete = (counts == bs).all(dim=2) & live
         dst = torch.where(live, req.view(T, 1) * N + target, self.num_requests * N)  # dump slot

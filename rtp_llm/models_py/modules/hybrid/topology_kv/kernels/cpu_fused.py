@@ -19,11 +19,8 @@ drift : float ``[R, N]``; learned_scores : float ``[R, W]``. Both are read as fp
 counters : int64 ``[len(COUNTER_NAMES)]`` in :data:`COUNTER_NAMES` order, *accumulated*
 mismatch_rows : optional bool ``[R]``, written (True = broken row)
 
-The kernel (``cpu_fused.cpp``) is compiled on first use with
-:func:`torch.utils.cpp_extension.load` into ``$TORCH_EXTENSIONS_DIR`` (default: the
-per-user cache ``$XDG_CACHE_HOME/torch_extensions`` or ``~/.cache/torch_extensions``), in a
-folder named after a hash of the source, Python and torch versions: once per process, and
-reused from disk by later processes. :func:`can_use_cpu_kernel` never raises; a failed
+The kernel (``cpu_fused.cpp``) is compiled on first use and cached on disk
+(:class:`~.cpp_extension.CppKernel`). :func:`can_use_cpu_kernel` never raises; a failed
 build is remembered and reported when the kernel is called anyway.
 
 Nothing is read on the host: the wrapper only checks metadata (shapes, dtypes, devices).
@@ -34,14 +31,11 @@ injected counters are counted in the row pass, as the core counts them.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import sys
-import threading
 from typing import Optional, Tuple, Union
 
 import torch
 
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.cpp_extension import CppKernel
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import (  # noqa: F401 (COUNTER_NAMES: the order)
     COUNTER_NAMES,
     PolicyLayout,
@@ -49,50 +43,11 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import (  # noq
     check_kernel_buffers,
 )
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_fused.cpp")
 _GRAIN_ENTRIES = 32768  # at least this many row entries per thread
 # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into the
 # extension (without it, rows run serially); libgomp.so.1 resolves to the one torch loaded,
 # so torch.set_num_threads applies.
-_CFLAGS = ["-O3", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
-
-_lock = threading.Lock()
-_ext = None  # the loaded extension module
-_error: Optional[BaseException] = None  # why the build failed (kept for a clear message)
-
-
-def _build_directory(name: str) -> str:
-    base = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not base:
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        base = os.path.join(cache, "torch_extensions")
-    return os.path.join(base, name)
-
-
-def _load():
-    """The compiled extension (built once per process, cached on disk); raises on failure."""
-    global _ext, _error
-    if _ext is not None:
-        return _ext
-    with _lock:
-        if _ext is None and _error is None:
-            try:
-                from torch.utils.cpp_extension import load
-
-                with open(_SOURCE, "rb") as f:
-                    digest = hashlib.sha256(f.read())
-                digest.update(f"{sys.version_info[:2]}-{torch.__version__}-{_CFLAGS}-{_LDFLAGS}".encode())
-                name = f"topology_kv_policy_cpu_{digest.hexdigest()[:16]}"
-                build_dir = _build_directory(name)
-                os.makedirs(build_dir, exist_ok=True)
-                _ext = load(name=name, sources=[_SOURCE], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-                            build_directory=build_dir, verbose=False)
-            except Exception as exc:  # compiler missing, read-only cache, ...
-                _error = exc
-        if _ext is None:
-            raise RuntimeError(f"topology_kv_policy_cpu: the C++ extension did not build: {_error!r}") from _error
-        return _ext
+_KERNEL = CppKernel("topology_kv_policy_cpu", "cpu_fused.cpp", cflags=["-O3", "-fopenmp"], ldflags=["-fopenmp"])
 
 
 def can_use_cpu_kernel(device: Union[torch.device, str]) -> bool:
@@ -101,18 +56,12 @@ def can_use_cpu_kernel(device: Union[torch.device, str]) -> bool:
     Builds the extension on the first CPU query (cached); never raises: a failed build
     returns False and its error is kept for :func:`topology_kv_policy_cpu`'s message.
     """
-    try:
-        if torch.device(device).type != "cpu":
-            return False
-        _load()
-        return True
-    except Exception:
-        return False
+    return _KERNEL.available(device)
 
 
 def build_error() -> Optional[str]:
     """Why the extension did not build (after a failed :func:`can_use_cpu_kernel`), or None."""
-    return None if _error is None else repr(_error)
+    return _KERNEL.build_error()
 
 
 def topology_kv_policy_cpu(
@@ -144,7 +93,7 @@ def topology_kv_policy_cpu(
     scores = None if layout.only else scores
     if scores is not None and scores.dtype != torch.float32:
         scores = scores.to(torch.float32)
-    _load().run(
+    _KERNEL.load().run(
         x, out, lengths, offsets, drift, scores, scaffold if compress else None, counters, mismatch_rows,
         layout.only, compress, layout.sink_blocks, layout.local_blocks, layout.witness_count(W),
         layout.block_size, layout.structural_cap(W), -1 if layout.sink_tokens is None else layout.sink_tokens,

@@ -1,0 +1,241 @@
+"""The drift tracker's one-call update (the key store plus the running centroids and drift).
+
+On CPU, :meth:`BlockDriftTracker.update` (the C++ kernel) equals
+:meth:`BlockDriftTracker.update_reference` (torch ops, the specification) bit for bit:
+pool rows, sums, counts and drift, over random shapes, block sizes, multi-row steps,
+positions across block boundaries and past capacity, pool and index dtypes (hypothesis).
+The distance rule itself is pinned against a plain Python loop and hand-computed values.
+On another device under test (``tools.device_under_test``) the tracker runs the torch
+path there, checked against the CPU kernel within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rtp_llm.models_py.modules.hybrid.topology_kv.drift import (
+    BlockDriftTracker,
+    DriftMetric,
+    block_drift_scores_unchecked,
+    block_key_centroids,
+    pair_drift_unchecked,
+)
+from tools.device_under_test import DEVICE
+
+ON_CPU = DEVICE.type == "cpu"
+cpu_only = pytest.mark.skipif(not ON_CPU, reason=f"the C++ kernel runs on CPU tensors (device under test: {DEVICE})")
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _loop_drift(prev, cur, metric: DriftMetric) -> float:
+    """The rule written out: fp32 centroid values, fp64 sums in index order, one fp32 rounding."""
+    p = [float(v) for v in prev]
+    c = [float(v) for v in cur]
+    if metric is DriftMetric.L2:
+        acc = 0.0
+        for a, b in zip(c, p):
+            d = _f32(a - b)  # the fp32 difference
+            acc += d * d
+        return _f32(math.sqrt(acc))
+    a2 = b2 = ab = 0.0
+    for a, b in zip(c, p):
+        a2 += a * a
+        b2 += b * b
+        ab += a * b
+    return _f32(1.0 - ab / math.sqrt(max(a2 * b2, 1e-24)))
+
+
+def test_pair_drift_hand_computed():
+    prev = torch.tensor([[0.0, 0.0], [0.0, 1.0], [2.0, 0.0], [0.0, 0.0]])
+    cur = torch.tensor([[3.0, 4.0], [1.0, 0.0], [5.0, 0.0], [0.0, 0.0]])
+    assert pair_drift_unchecked(prev, cur, DriftMetric.L2).tolist() == [5.0, _f32(math.sqrt(2.0)), 3.0, 0.0]
+    # Cosine: orthogonal 1, parallel 0, a zero centroid 1 (cos taken as 0).
+    assert pair_drift_unchecked(prev[1:], cur[1:], DriftMetric.COSINE).tolist() == [1.0, 0.0, 1.0]
+    assert pair_drift_unchecked(prev, cur).dtype == torch.float32
+    assert pair_drift_unchecked(prev.double(), cur.double()).dtype == torch.float64
+
+
+@given(k=st.integers(1, 300), scale=st.sampled_from([1e-3, 1.0, 1e3]), seed=st.integers(0, 2**31 - 1),
+       metric=st.sampled_from(list(DriftMetric)))
+@settings(max_examples=60, deadline=None)
+def test_pair_drift_is_the_written_rule(k, scale, seed, metric):
+    g = torch.Generator().manual_seed(seed)
+    prev = (torch.randn(3, k, generator=g) * scale).to(DEVICE)
+    cur = (torch.randn(3, k, generator=g) * scale).to(DEVICE)
+    got = pair_drift_unchecked(prev, cur, metric).cpu()
+    want = torch.tensor([_loop_drift(prev[i].cpu().tolist(), cur[i].cpu().tolist(), metric) for i in range(3)])
+    if ON_CPU:  # cumsum runs in index order: bit for bit
+        assert torch.equal(got, want), (got - want).abs().max()
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+
+
+def test_offline_scores_use_the_same_rule():
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 40, 2, 8, generator=g)
+    cents = block_key_centroids(keys, 8)  # [2, 5, 2, 8]
+    got = block_drift_scores_unchecked(cents, DriftMetric.L2)
+    flat = cents.flatten(-2)
+    assert got[:, 0].eq(0).all()
+    for b in range(2):
+        for n in range(1, 5):
+            assert got[b, n].item() == _loop_drift(flat[b, n - 1].tolist(), flat[b, n].tolist(), DriftMetric.L2)
+
+
+_POOL_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@st.composite
+def _runs(draw):
+    B = draw(st.integers(1, 4))
+    N = draw(st.integers(1, 8))
+    bs = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    K = draw(st.integers(1, 24))
+    steps = []
+    for _ in range(draw(st.integers(1, 5))):
+        T = draw(st.integers(0, 3 * bs + 2))
+        steps.append((T, draw(st.integers(0, 2**31 - 1))))
+    return dict(
+        B=B, N=N, bs=bs, K=K, steps=steps,
+        metric=draw(st.sampled_from(list(DriftMetric))),
+        pool_dtype=draw(st.sampled_from(_POOL_DTYPES + [None])),
+        index_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
+        key_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64])),
+        batch=draw(st.booleans()),
+    )
+
+
+def _step_inputs(run, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    B, N, bs, K = run["B"], run["N"], run["bs"], run["K"]
+    keys = (torch.randn(T, K, generator=g) * 2 + 0.5).to(run["key_dtype"])
+    # Mostly in range, some negative or past capacity (the dump column); block boundaries by construction.
+    pos = torch.randint(-2, N * bs + 3, (T,), generator=g).to(run["index_dtype"])
+    req = torch.randint(0, B, (T,), generator=g).to(run["index_dtype"]) if run["batch"] else None
+    slots = torch.randperm(4 * T + 4, generator=g)[:T].to(run["index_dtype"])
+    if T:
+        slots[0] = slots[0] - (4 * T + 4)  # a negative slot reads from the end, as tensor indexing does
+    return keys, pos, req, slots
+
+
+@cpu_only
+@given(run=_runs())
+@settings(max_examples=150, deadline=None)
+def test_fused_update_equals_reference_bit_for_bit(run):
+    fused = BlockDriftTracker(run["B"], run["N"], run["K"], block_size=run["bs"], metric=run["metric"])
+    ref = fused.clone()
+    assert fused.fused
+    size = 4 * max((T for T, _ in run["steps"]), default=0) + 4
+    pools = [torch.zeros(size, run["K"], dtype=run["pool_dtype"]) for _ in range(2)] if run["pool_dtype"] else None
+    for T, seed in run["steps"]:
+        keys, pos, req, slots = _step_inputs(run, T, seed)
+        if pools is None:
+            fused.update(keys, pos, req)
+            ref.update_reference(keys, pos, req)
+        else:
+            fused.update(keys, pos, req, pool=pools[0][: 4 * T + 4], slots=slots)
+            ref.update_reference(keys, pos, req, pool=pools[1][: 4 * T + 4], slots=slots)
+    assert torch.equal(fused._sums, ref._sums)
+    assert torch.equal(fused._counts, ref._counts)
+    assert torch.equal(fused.drift_scores(), ref.drift_scores())
+    if pools is not None:
+        assert torch.equal(pools[0], pools[1])
+
+
+def test_prefill_then_decode_across_a_page_boundary():
+    """A whole prefill in one call, then tokens one by one across a block boundary: the
+    drift of a block appears exactly when it and its predecessor are complete."""
+    bs, K = 4, 3
+    tr = BlockDriftTracker(1, 4, K, block_size=bs, device=DEVICE)
+    keys = torch.arange(16 * K, dtype=torch.float32).view(16, K).to(DEVICE)
+    tr.update(keys[:7], torch.arange(7, device=DEVICE))
+    assert tr.drift_scores().cpu().tolist() == [[0.0, 0.0, 0.0, 0.0]]  # block 1 holds 3 of 4
+    tr.update(keys[7:8], torch.tensor([7], device=DEVICE))
+    # Centroids of blocks 0 and 1: token means 1.5 and 5.5 -> every coordinate moves by 4 * K = 12.
+    assert tr.drift_scores().cpu()[0, 1].item() == _f32(math.sqrt(K * 12.0**2))
+    for p in range(8, 12):
+        assert tr.drift_scores().cpu()[0, 2].item() == 0.0
+        tr.update(keys[p : p + 1], torch.tensor([p], device=DEVICE))
+    assert tr.drift_scores().cpu()[0, 2].item() == _f32(math.sqrt(K * 12.0**2))
+
+
+def test_device_path_matches_cpu_kernel():
+    g = torch.Generator().manual_seed(11)
+    B, N, bs, K = 3, 6, 4, 16
+    cpu = BlockDriftTracker(B, N, K, block_size=bs)
+    dev = BlockDriftTracker(B, N, K, block_size=bs, device=DEVICE)
+    pool_cpu, pool_dev = torch.zeros(64, K), torch.zeros(64, K, device=DEVICE)
+    for step in range(8):
+        T = 5
+        keys = torch.randn(T, K, generator=g)
+        pos = torch.randint(0, N * bs, (T,), generator=g)
+        req = torch.randint(0, B, (T,), generator=g)
+        slots = torch.randperm(64, generator=g)[:T]
+        cpu.update(keys, pos, req, pool=pool_cpu, slots=slots)
+        dev.update(keys.to(DEVICE), pos.to(DEVICE), req.to(DEVICE), pool=pool_dev, slots=slots.to(DEVICE))
+    assert torch.equal(pool_dev.cpu(), pool_cpu)
+    assert torch.equal(dev._counts.cpu(), cpu._counts)
+    torch.testing.assert_close(dev._sums.cpu(), cpu._sums, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dev.drift_scores().cpu(), cpu.drift_scores(), rtol=1e-5, atol=1e-6)
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("request", r"request_ids: expected values in \[0, 2\), got 2 at index 1"),
+        ("slot", r"slot_mapping: expected values in \[-8, 8\), got 8 at index 2"),
+        ("negative_slot", r"slot_mapping: expected values in \[-8, 8\), got -9 at index 0"),
+    ],
+)
+def test_bad_index_raises_before_any_write(bad, match):
+    tr = BlockDriftTracker(2, 4, 3, block_size=2)
+    pool = torch.zeros(8, 3)
+    tr.update(torch.ones(2, 3), torch.tensor([0, 1]), torch.tensor([0, 1]), pool=pool, slots=torch.tensor([0, 1]))
+    before = (tr._sums.clone(), tr._counts.clone(), tr._drift_flat.clone(), pool.clone())
+    req = torch.tensor([0, 2 if bad == "request" else 1, 0])
+    slots = torch.tensor([-9 if bad == "negative_slot" else 3, 4, 8 if bad == "slot" else 5])
+    with pytest.raises(RuntimeError, match=match):
+        tr.update(torch.full((3, 3), 7.0), torch.tensor([2, 3, 4]), req, pool=pool, slots=slots)
+    for a, b in zip(before, (tr._sums, tr._counts, tr._drift_flat, pool)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(pool=torch.zeros(4, 3)), r"pool / slots: expected both or neither, got a pool and no slots"),
+        (dict(slots=torch.arange(2)), r"pool / slots: expected both or neither, got no pool and slots"),
+        (dict(pool=torch.zeros(4, 5), slots=torch.arange(2)), r"pool: expected \[S, 3\], got shape \(4, 5\)"),
+        (dict(pool=torch.zeros(4, 3), slots=torch.arange(3)), r"slots: expected shape \(2,\) like keys' first dim, got \(3,\)"),
+    ],
+)
+def test_pool_argument_errors(kwargs, match):
+    tr = BlockDriftTracker(1, 4, 3, block_size=2)
+    before = tr._sums.clone()
+    with pytest.raises(ValueError, match=match):
+        tr.update(torch.ones(2, 3), torch.tensor([0, 1]), **kwargs)
+    assert torch.equal(before, tr._sums)
+
+
+@cpu_only
+def test_unsupported_pool_dtype_takes_the_torch_path():
+    """A pool the kernel does not write (int8 here) is stored by the torch path; the result
+    is the reference's."""
+    a = BlockDriftTracker(1, 4, 3, block_size=2)
+    b = a.clone()
+    pa, pb = torch.zeros(6, 3, dtype=torch.int8), torch.zeros(6, 3, dtype=torch.int8)
+    keys = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    a.update(keys, torch.tensor([0, 1]), pool=pa, slots=torch.tensor([2, 5]))
+    b.update_reference(keys, torch.tensor([0, 1]), pool=pb, slots=torch.tensor([2, 5]))
+    assert torch.equal(pa, pb) and pa[5].tolist() == [4, 5, 6]
+    assert torch.equal(a._sums, b._sums)
