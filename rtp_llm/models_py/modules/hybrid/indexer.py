@@ -53,6 +53,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     TopologyKVPolicyMode,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_drift
 from rtp_llm.models_py.modules.hybrid.topology_kv.layer import TopologyKVLayerPolicy
 from rtp_llm.models_py.modules.hybrid.topology_kv.policy import TopologyKVCounters
 from rtp_llm.models_py.modules.hybrid.topology_kv.profile import (
@@ -176,6 +177,9 @@ class Indexer(nn.Module):
             profile_budget=topology_profile_budget,
         )
         self.topology = self.topology_layer.settings
+        if device is not None and self.topology_layer.reads_drift:
+            # The tracker's one-call update (CPU) builds here too, not in the first request.
+            cpu_drift.can_use_drift_kernel(device)
         self._logged_skip_reasons = set()  # (reason, path) pairs already logged
         # Host values the step's metrics tag each call with, fixed here.
         self.topology_profile_name = (

@@ -188,6 +188,7 @@ class BlockDriftTracker:
         self._counts = torch.zeros(B, N + 1, dtype=torch.float32, device=device)
         self._drift_flat = torch.zeros(B * N + 1, dtype=torch.float32, device=device)  # last: dump
         self._fused: Optional[bool] = None  # whether update() runs the C++ kernel (decided on first use)
+        self._drift_view = self._drift_flat[: B * N].view(B, N)  # the state is never reallocated
 
     @property
     def device(self) -> torch.device:
@@ -195,7 +196,7 @@ class BlockDriftTracker:
 
     def drift_scores(self) -> torch.Tensor:
         """float32 ``[B, N]`` live drift (a view; updated in place by :meth:`update`)."""
-        return self._drift_flat[: self.num_requests * self.max_blocks].view(self.num_requests, self.max_blocks)
+        return self._drift_view
 
     def centroids(self) -> torch.Tensor:
         """float32 ``[B, N, K]`` mean key of the tokens fed so far per block (zeros if none)."""

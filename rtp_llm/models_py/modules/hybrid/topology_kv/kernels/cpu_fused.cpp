@@ -44,6 +44,7 @@ struct Params {
   const void* len; int64_t slen; bool len64;
   const void* off; int64_t soff; bool off64; bool has_off;
   const float* drift; int64_t sd0, sd1, N; bool has_drift;
+  const void* r2r; int64_t sr2r; bool r2r64;  // drift row of row r: r2r[r] (nullptr: r)
   const float* scores; int64_t ss0, ss1; bool has_scores;
   const void* scaf; int64_t sscaf; bool scaf64; bool compress;
   int64_t* counters; int64_t scnt;
@@ -242,7 +243,7 @@ void run_rows(const Params& P, int64_t begin, int64_t end) {
       if (k > 0) {
         s.keys.resize(eligible);
         int64_t* key = s.keys.data();
-        const float* d = P.drift + r * P.sd0;
+        const float* d = P.drift + (P.r2r ? read_int(P.r2r, P.r2r64, r * P.sr2r) : r) * P.sd0;
         for (int64_t b = sink_end; b < local_start; ++b)
           key[b - sink_end] = score_bits(d[b * P.sd1]) * kShift + (P.N - 1 - b);
         if (k < eligible)
@@ -405,15 +406,16 @@ void run_rows(const Params& P, int64_t begin, int64_t end) {
 
 const void* opt_ptr(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
-// All arguments validated by the Python wrapper (shapes, dtypes, devices; drift and
-// scores already fp32). `n_wit` is the witness picks (TOPOLOGY_ONLY: ceil(W / bs) + 1);
-// `sink_tokens` < 0 selects whole sink blocks.
-void run(const at::Tensor& x, const at::Tensor& out, const at::Tensor& lengths,
-         const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& drift,
-         const c10::optional<at::Tensor>& scores, const c10::optional<at::Tensor>& scaffold,
-         const at::Tensor& counters, const c10::optional<at::Tensor>& mismatch, bool only, bool compress,
-         int64_t sink_blocks, int64_t local_blocks, int64_t n_wit, int64_t block_size, int64_t structural_cap,
-         int64_t sink_tokens, bool scale, int64_t grain) {
+// All arguments validated by the caller (shapes, dtypes, devices; drift and scores fp32).
+// `n_wit` is the witness picks (TOPOLOGY_ONLY: ceil(W / bs) + 1); `sink_tokens` < 0
+// selects whole sink blocks; `r2r` maps rows to drift rows (nullopt: row r reads row r).
+void run_params(const at::Tensor& x, const at::Tensor& out, const at::Tensor& lengths,
+                const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& drift,
+                const c10::optional<at::Tensor>& r2r, const c10::optional<at::Tensor>& scores,
+                const c10::optional<at::Tensor>& scaffold, const at::Tensor& counters,
+                const c10::optional<at::Tensor>& mismatch, bool only, bool compress, int64_t sink_blocks,
+                int64_t local_blocks, int64_t n_wit, int64_t block_size, int64_t structural_cap,
+                int64_t sink_tokens, bool scale, int64_t grain) {
   Params P{};
   P.R = x.size(0);
   P.W = x.size(1);
@@ -430,6 +432,9 @@ void run(const at::Tensor& x, const at::Tensor& out, const at::Tensor& lengths,
   P.sd0 = P.has_drift ? drift->stride(0) : 0;
   P.sd1 = P.has_drift ? drift->stride(1) : 0;
   P.N = P.has_drift ? drift->size(1) : 0;
+  P.r2r = P.has_drift && r2r.has_value() ? r2r->data_ptr() : nullptr;
+  P.sr2r = P.r2r ? r2r->stride(0) : 0;
+  P.r2r64 = P.r2r && r2r->scalar_type() == at::kLong;
   P.has_scores = scores.has_value();
   P.scores = P.has_scores ? scores->data_ptr<float>() : nullptr;
   P.ss0 = P.has_scores ? scores->stride(0) : 0;
@@ -458,8 +463,76 @@ void run(const at::Tensor& x, const at::Tensor& out, const at::Tensor& lengths,
   });
 }
 
+// The entry of cpu_fused.py's wrapper (it validated everything; drift already per row).
+void run(const at::Tensor& x, const at::Tensor& out, const at::Tensor& lengths,
+         const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& drift,
+         const c10::optional<at::Tensor>& scores, const c10::optional<at::Tensor>& scaffold,
+         const at::Tensor& counters, const c10::optional<at::Tensor>& mismatch, bool only, bool compress,
+         int64_t sink_blocks, int64_t local_blocks, int64_t n_wit, int64_t block_size, int64_t structural_cap,
+         int64_t sink_tokens, bool scale, int64_t grain) {
+  run_params(x, out, lengths, offsets, drift, c10::nullopt, scores, scaffold, counters, mismatch, only, compress,
+             sink_blocks, local_blocks, n_wit, block_size, structural_cap, sink_tokens, scale, grain);
+}
+
+bool is_index(const at::Tensor& t) { return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong; }
+
+void check_vector(const char* name, const at::Tensor& t, int64_t R) {
+  TORCH_CHECK_TYPE(is_index(t), name, ": expected an int32/int64 tensor, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == R && t.device().is_cpu(), name, ": expected shape (", R,
+                    ",) on cpu, got ", t.sizes(), " on ", t.device());
+}
+
+// The per-layer call (TopologyKVLayerPolicy.run on CPU): the metadata checks here, in
+// C++; drift [B, N] read through row_to_request [R] (every entry checked in [0, B) before
+// any row runs); out and counters allocated here. Returns (out, counters).
+std::vector<at::Tensor> run_layer(const at::Tensor& x, const at::Tensor& lengths,
+                                  const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& drift_in,
+                                  const c10::optional<at::Tensor>& row_to_request,
+                                  const c10::optional<at::Tensor>& scaffold, bool only, bool compress,
+                                  int64_t sink_blocks, int64_t local_blocks, int64_t n_wit, int64_t block_size,
+                                  int64_t structural_cap, int64_t sink_tokens, bool scale, int64_t grain) {
+  TORCH_CHECK_TYPE(is_index(x) && x.dim() == 2, "topk_indices: expected an int32/int64 tensor [R, W], got ",
+                   x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK_VALUE(x.device().is_cpu(), "topk_indices: expected a CPU tensor, got ", x.device());
+  const int64_t R = x.size(0);
+  check_vector("lengths", lengths, R);
+  if (offsets.has_value()) check_vector("offsets", *offsets, R);
+  const bool comp = compress && scaffold.has_value();
+  if (comp) check_vector("scaffold_lengths", *scaffold, R);
+  c10::optional<at::Tensor> drift;
+  c10::optional<at::Tensor> r2r;
+  if (drift_in.has_value()) {
+    const at::Tensor& d = *drift_in;
+    TORCH_CHECK_VALUE(d.is_floating_point() && d.dim() == 2 && d.device().is_cpu(),
+                      "drift: expected a float tensor [B, N] on cpu, got ", d.scalar_type(), " ", d.sizes(), " on ",
+                      d.device());
+    drift = d.scalar_type() == at::kFloat ? d : d.to(at::kFloat);
+    if (row_to_request.has_value()) {
+      const at::Tensor& m = *row_to_request;
+      check_vector("row_to_request", m, R);
+      const int64_t B = d.size(0);
+      const bool m64 = m.scalar_type() == at::kLong;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t v = read_int(m.data_ptr(), m64, r * m.stride(0));
+        TORCH_CHECK_VALUE(v >= 0 && v < B, "row_to_request: row ", r, " holds ", v, ", outside [0, ", B,
+                          ") (the rows of block_drift_scores)");
+      }
+      r2r = m;
+    } else {
+      TORCH_CHECK_VALUE(d.size(0) == R, "drift: expected a float tensor [", R, ", N] on cpu, got ", d.sizes());
+    }
+  }
+  at::Tensor out = at::empty({R, x.size(1)}, x.options());
+  at::Tensor counters = at::zeros({kCounters}, x.options().dtype(at::kLong));
+  run_params(x, out, lengths, offsets, drift, r2r, c10::nullopt, comp ? scaffold : c10::nullopt, counters,
+             c10::nullopt, only, comp, sink_blocks, local_blocks, n_wit, block_size, structural_cap, sink_tokens,
+             scale, grain);
+  return {out, counters};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run, "topology KV policy, one fused pass per row (see cpu_fused.py)");
+  m.def("run_layer", &run_layer, "the per-layer call: checks in C++, drift rows via row_to_request (see cpu_fused.py)");
 }

@@ -100,3 +100,35 @@ def topology_kv_policy_cpu(
         layout.scale_budget_by_length, max(1, _GRAIN_ENTRIES // max(W, 1)),
     )
     return out, counters
+
+
+def layer_args(layout: PolicyLayout, width: int) -> tuple:
+    """The kernel's per-layer constants for rows of width ``width`` (see :func:`run_layer`)."""
+    return (
+        layout.only, layout.compress_mode, layout.sink_blocks, layout.local_blocks, layout.witness_count(width),
+        layout.block_size, layout.structural_cap(width), -1 if layout.sink_tokens is None else layout.sink_tokens,
+        layout.scale_budget_by_length, max(1, _GRAIN_ENTRIES // max(width, 1)),
+    )
+
+
+def run_layer(
+    topk_indices: torch.Tensor,
+    lengths: torch.Tensor,
+    offsets: Optional[torch.Tensor],
+    drift: Optional[torch.Tensor],
+    row_to_request: Optional[torch.Tensor],
+    scaffold_lengths: Optional[torch.Tensor],
+    args: tuple,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A layer's call in one C++ entry: ``(out, counters)`` as :func:`topology_kv_policy_cpu`
+    returns them for :func:`~rtp_llm.models_py.modules.hybrid.topology_kv.policy.run_layout`'s
+    inputs (``drift`` ``[B, N]`` read through ``row_to_request``, or ``[R, N]`` without it),
+    no learned scores, ``args`` from :func:`layer_args` for the rows' width.
+
+    The metadata checks run in C++ (``TypeError`` / ``ValueError`` naming the argument, as
+    the Python checks do) and an out-of-range ``row_to_request`` entry is a ``ValueError``
+    naming the row and its value before any row runs; ``out`` and the counters are new.
+    """
+    out, counters = _KERNEL.load().run_layer(topk_indices, lengths, offsets, drift, row_to_request,
+                                             scaffold_lengths, *args)
+    return out, counters

@@ -24,6 +24,8 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     TopologyKVPolicyMode,
     WitnessSignal,
 )
+from rtp_llm.models_py.modules.hybrid.topology_kv import policy as policy_module
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_fused as cpu_fused_module
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import layout as layout_module
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import can_use_backend
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout
@@ -69,18 +71,23 @@ def test_build_rejects_a_merge_mode_that_cannot_inject():
     lengths=st.lists(st.integers(1, 200), min_size=1, max_size=4),
     width=st.integers(1, 40),
     use_drift=st.booleans(),
+    requests=st.integers(1, 3),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
     seed=st.integers(0, 2**16),
 )
-def test_layer_rows_and_counters_equal_the_public_entry(mode, backend, lengths, width, use_drift, seed):
+def test_layer_rows_and_counters_equal_the_public_entry(mode, backend, lengths, width, use_drift, requests,
+                                                        index_dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     R = len(lengths)
-    rows = torch.full((R, width), -1, dtype=torch.int32)
+    rows = torch.full((R, width), -1, dtype=index_dtype)
     for r, length in enumerate(lengths):
         keep = torch.randperm(length, generator=gen)[: min(width, length)]
-        rows[r, : keep.numel()] = keep.to(torch.int32)
-    rows, L = rows.to(DEVICE), torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
-    drift = torch.rand(1, -(-max(lengths) // 8), generator=gen).to(DEVICE) if use_drift else None
-    r2r = torch.zeros(R, dtype=torch.int64, device=DEVICE)
+        rows[r, : keep.numel()] = keep.to(index_dtype)
+    rows, L = rows.to(DEVICE), torch.tensor(lengths, dtype=index_dtype, device=DEVICE)
+    # Drift of `requests` requests (fp16 too: read as fp32), rows mapped to them at random.
+    drift = (torch.rand(requests, -(-max(lengths) // 8), generator=gen).to(
+        torch.float16 if seed % 3 == 0 else torch.float32).to(DEVICE) if use_drift else None)
+    r2r = torch.randint(0, requests, (R,), generator=gen).to(index_dtype).to(DEVICE)
     settings_ = _settings(mode, backend, max_structural_fraction=1.0)
     layer = TopologyKVLayerPolicy.build(settings_, layer_idx=0, width=width, device=DEVICE)
     got = layer.run(rows, L, None, drift, r2r)
@@ -119,3 +126,40 @@ def test_counters_read_after_out_is_reused_are_the_calls_own(mode, backend):
     first.fill_(-1)  # and the caller reuses its input buffer too
     assert got.counters.to_dict() == want
     assert want["learned_kept_tokens"] + want["learned_evicted_tokens"] == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_of_range_row_to_request_names_the_row(backend):
+    layer = TopologyKVLayerPolicy.build(_settings(TopologyKVPolicyMode.TOPOLOGY_SPARSE_MERGE, backend), layer_idx=0,
+                                        width=8, device=DEVICE)
+    rows = torch.arange(16, dtype=torch.int32, device=DEVICE).view(2, 8)
+    L = torch.tensor([40, 40], dtype=torch.int32, device=DEVICE)
+    drift = torch.rand(2, 5, device=DEVICE)
+    before = rows.clone()
+    if DEVICE.type != "cpu":
+        pytest.skip("an out-of-range index on CUDA is a device-side assert (coordinate_mismatch_action=raise checks)")
+    with pytest.raises(ValueError, match=r"row_to_request: row 1 holds 2, outside \[0, 2\) \(the rows of block_drift_scores\)"):
+        layer.run(rows, L, None, drift, torch.tensor([0, 2], device=DEVICE))
+    assert torch.equal(rows, before)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or TopologyKVBackend.CPU_FUSED not in BACKENDS, reason="the fused CPU kernel")
+def test_cpu_layer_call_is_one_cpp_entry_with_checks_in_cpp():
+    """On CPU with cpu_fused, a call goes straight to the C++ entry (no Python buffer check,
+    no drift row select) and that entry still refuses bad metadata, naming the argument."""
+    layer = TopologyKVLayerPolicy.build(_settings(TopologyKVPolicyMode.TOPOLOGY_SPARSE_MERGE, TopologyKVBackend.CPU_FUSED),
+                                        layer_idx=0, width=8, device=DEVICE)
+    assert layer.cpu_args is not None
+    rows = torch.arange(16, dtype=torch.int32).view(2, 8)
+    L = torch.tensor([40, 40], dtype=torch.int32)
+    fail = {"side_effect": AssertionError("per-call Python check")}
+    with mock.patch.object(cpu_fused_module, "check_kernel_buffers", **fail), \
+            mock.patch.object(policy_module, "select_request_rows", **fail):
+        got = layer.run(rows, L, None, torch.rand(3, 5), torch.tensor([2, 0]))
+    assert got.indices.shape == (2, 8) and got.counters.to_dict()["selected_tokens"] == 16
+    with pytest.raises(ValueError, match=r"lengths: expected shape \(2,\) on cpu, got \[3\] on cpu"):
+        layer.run(rows, torch.tensor([40, 40, 40], dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"lengths: expected an int32/int64 tensor, got Float"):
+        layer.run(rows, torch.tensor([40.0, 40.0]))
+    with pytest.raises(ValueError, match=r"drift: expected a float tensor \[2, N\] on cpu, got \[3, 5\]"):
+        layer.run(rows, L, None, torch.rand(3, 5))
