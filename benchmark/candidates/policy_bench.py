@@ -13,6 +13,11 @@ column alike; medians over rounds; inputs are warm in cache, a few MiB):
 * ``copy``       a plain copy of the ``[R, W]`` index rows (the memory-traffic floor);
 * ``reference``  the plain loop reference on ``--reference-rows`` rows, scaled to ``R``.
 
+After the policy grid, a small table times what the merge modes add to a decode step's
+key write: the indexer-key store plus the drift tracker's update per layer call
+(``BlockDriftTracker.update``, one C++ call on CPU, beside ``update_reference``, its torch
+ops), for 1, 8 and 64 requests, interleaved (JSON key ``tracker_update``).
+
 Input rows are synthetic but valid: ``W`` unique positions per row spread over ``[0, L)``
 in random order (the engine's top-k order is arbitrary), drift scores and learned scores
 uniform. Prints a TSV table, the targets with PASS/FAIL (the best backend per cell), and
@@ -253,7 +258,8 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
                         backend=backend, out=out,
                     )
 
-                fns = {**baselines, **{b: functools.partial(call, b) for b in args.backend}}
+                # The backend as a member, as a config holds it (a name would be parsed per call).
+                fns = {**baselines, **{b: functools.partial(call, TopologyKVBackend.parse(b)) for b in args.backend}}
                 if "compiled" in fns:
                     t0 = time.perf_counter()
                     fns["compiled"]()
@@ -348,6 +354,39 @@ def evaluate_targets(results: List[Dict[str, object]]) -> List[Dict[str, object]
     return checks
 
 
+TRACKER_BATCHES = (1, 8, 64)  # decode rows per tracker update (one key per request)
+
+
+def time_tracker_update(device: torch.device, rounds: int, warmup: int, key_dim: int = 128,
+                        context: int = 8192, block_size: int = 64) -> List[Dict[str, object]]:
+    """A decode step's key store plus drift tracker update per layer call, interleaved:
+    ``BlockDriftTracker.update`` (one C++ call on CPU) beside ``update_reference`` (torch
+    ops), for batches of :data:`TRACKER_BATCHES` requests, one new key each, mid-block.
+
+    ``key_dim`` 128 is DSA's indexer key. Each call writes the same positions again; the
+    tracker's work does not depend on the values.
+    """
+    from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for B in TRACKER_BATCHES:
+        blocks = context // block_size + 1
+        tracker = BlockDriftTracker(B, blocks, key_dim, block_size=block_size, device=device)
+        pool = torch.zeros(B * blocks * block_size, key_dim, device=device)
+        keys = torch.randn(B, key_dim, generator=gen).to(device)
+        pos = torch.full((B,), context - block_size // 2, device=device)
+        req = torch.arange(B, device=device)
+        slots = req * blocks * block_size + pos
+        fns = {"fused": lambda: tracker.update(keys, pos, req, pool=pool, slots=slots),
+               "torch": lambda: tracker.update_reference(keys, pos, req, pool=pool, slots=slots)}
+        times = time_interleaved(fns, device, max(rounds, 20), warmup)
+        fused_us, torch_us = (1e3 * statistics.median(times[k]) for k in ("fused", "torch"))
+        out.append({"batch": B, "key_dim": key_dim, "fused": tracker.fused, "update_us": fused_us,
+                    "reference_us": torch_us, "speedup": torch_us / fused_us})
+    return out
+
+
 def _fmt(v) -> str:
     if v is None:
         return "n/a"
@@ -376,13 +415,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     checks = evaluate_targets(results)
     for c in checks:
         print(f"{'PASS' if c['passed'] else 'FAIL'}\t{c['target']}\t{c['value']:.3f} (bound {c['bound']})")
+    tracker = time_tracker_update(args.device, args.rounds, args.warmup)
+    print("\nkey store + drift tracker update per layer call (update: one C++ call on CPU when fused; "
+          "reference: torch ops)")
+    print("batch\tkey_dim\tfused\tupdate_us\treference_us\tspeedup")
+    for t in tracker:
+        print(f"{t['batch']}\t{t['key_dim']}\t{t['fused']}\t{t['update_us']:.1f}\t{t['reference_us']:.1f}\t"
+              f"{t['speedup']:.1f}x")
     if args.json:
         path = args.json
         if not os.path.isabs(path) and os.environ.get("BUILD_WORKING_DIRECTORY"):
             path = os.path.join(os.environ["BUILD_WORKING_DIRECTORY"], path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         payload = {"environment": environment(args.device), "args": {k: str(v) for k, v in vars(args).items()},
-                   "rows": results, "targets": checks}
+                   "rows": results, "targets": checks, "tracker_update": tracker}
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
     return 0

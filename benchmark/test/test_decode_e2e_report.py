@@ -73,7 +73,8 @@ def test_targets_pair_compress_with_learned_of_its_own_preset():
             row("learned", 8192, 1, 80.0, indexer=MODEL),
             row("learned+topology_compress_sparse", 8192, 1, 90.0, indexer=MODEL),
             row("learned+topology_compress_sparse", 8192, 8, 90.0, rows_per_request=2)]  # multi-row: no target
-    found = {(t["batch"], t["indexer_preset"]): t for t in report.targets(rows)}
+    found = {(t["batch"], t["indexer_preset"]): t for t in report.targets(rows)
+             if "sparse_merge" not in t["target"] and " policy <= " not in t["target"]}
     assert found[(8, "dsa-ratio")]["passed"] is True  # noscan 100 / 70 = 1.43x
     assert found[(1, "dsa-ratio")]["value"] == pytest.approx(1.01) and found[(1, "dsa-ratio")]["passed"]
     assert found[(1, "model")]["value"] == pytest.approx(90 / 80) and not found[(1, "model")]["passed"]
@@ -86,7 +87,26 @@ def test_targets_pair_compress_with_learned_of_its_own_preset():
 
 def test_nothing_run_is_not_run():
     text = report.format_targets(report.targets([row("dense", 2048, 32, 100.0)]))
-    assert text.count("NOT RUN") == 3 and "PASS" not in text and "FAIL" not in text
+    # noscan, both merge modes at batch 1 and 8, both policy shares
+    assert text.count("NOT RUN") == 7 and "PASS" not in text and "FAIL" not in text
+
+
+def test_merge_mode_targets_and_the_policy_share():
+    rows = [row("learned", 8192, 1, 100.0), row("learned+topology_sparse_merge", 8192, 1, 104.0),
+            row("learned+topology_compress_sparse", 8192, 1, 102.0),
+            row("learned", 2048, 8, 200.0), row("learned+topology_sparse_merge", 2048, 8, 205.0)]
+    rows[1]["policy_ms"], rows[2]["policy_ms"] = 3.2, 2.5
+    text = report.format_targets(report.targets(rows))
+    assert "FAIL: learned+topology_sparse_merge within 3% of learned step time, batch 1 (context 8192, " \
+           "indexer dsa-ratio): step time ratio 1.040" in text
+    assert "PASS: learned+topology_compress_sparse within 3% of learned step time, batch 1 (context 8192, " \
+           "indexer dsa-ratio): step time ratio 1.020" in text
+    assert "PASS: learned+topology_sparse_merge within 3% of learned step time, batch 8 (context 2048, " \
+           "indexer dsa-ratio): step time ratio 1.025" in text
+    assert "FAIL: learned+topology_sparse_merge policy <= 3% of its step, batch 1 (context 8192, " \
+           "indexer dsa-ratio): policy 3.1% of the step" in text
+    assert "PASS: learned+topology_compress_sparse policy <= 3% of its step, batch 1 (context 8192, " \
+           "indexer dsa-ratio): policy 2.5% of the step" in text
 
 
 def test_merge_keeps_every_row_and_names_its_source():

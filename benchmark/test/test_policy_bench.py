@@ -22,7 +22,8 @@ def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split("\t") == bench.COLUMNS
-    rows = [line.split("\t") for line in out[1:] if not line.startswith(("PASS", "FAIL"))]
+    grid = out[1:out.index("")]  # the policy grid and its targets; the tracker table follows
+    rows = [line.split("\t") for line in grid if not line.startswith(("PASS", "FAIL"))]
     backends = bench.parse_args(["--device", DEVICE]).backend
     assert backends[0] == "torch" and len(backends) >= 1
     assert len(rows) == 3 * 2 * len(backends)  # three modes x with/without learned scores x backends
@@ -32,6 +33,13 @@ def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
         assert row["policy_ms"] > 0 and row["copy_ms"] > 0 and row["topk_ms"] > 0
         assert min(row[f"witness_{s}_ms"] for s in ("query_centroid", "query_mass", "query_bound")) > 0
         assert row["policy_over_topk"] == pytest.approx(row["policy_ms"] / row["topk_ms"])
+    tail = out[out.index("") + 1:]
+    assert tail[0].startswith("key store + drift tracker update per layer call")
+    assert tail[1].split("\t") == ["batch", "key_dim", "fused", "update_us", "reference_us", "speedup"]
+    assert [line.split("\t")[0] for line in tail[2:]] == [str(b) for b in bench.TRACKER_BATCHES]
+    for t in payload["tracker_update"]:
+        assert t["update_us"] > 0 and t["reference_us"] > 0
+        assert t["fused"] is (DEVICE == "cpu")  # the C++ call on CPU, the torch ops elsewhere
 
 
 def test_synthetic_rows_are_valid_engine_rows():

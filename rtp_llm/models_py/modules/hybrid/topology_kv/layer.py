@@ -121,7 +121,7 @@ class TopologyKVLayerPolicy:
         cpu_args = None
         if (backend is TopologyKVBackend.CPU_FUSED and width >= 1
                 and policy.coordinate_mismatch_action is not CoordinateMismatchAction.RAISE):
-            cpu_args = cpu_fused.layer_args(layout, width)
+            cpu_args = cpu_fused.layer_args(layout, width)  # cached per (layout, width)
         return cls(
             settings=settings,
             layer_idx=0 if layer_idx is None else layer_idx,
@@ -156,17 +156,18 @@ class TopologyKVLayerPolicy:
 
         Disabled: ``topk_indices`` itself and no counters. ``coordinate_mismatch_action=raise``
         runs the public entry (its host check is the point of that setting). With the
-        ``cpu_fused`` backend resolved at build (:attr:`cpu_args`) and CPU rows of the
-        layer's width, no ``context``, ``out`` or ``counters_out``: one C++ entry does the
-        metadata checks, reads drift rows through ``row_to_request`` and allocates the
-        buffers (:func:`~.kernels.cpu_fused.run_layer`); same rows and counters.
+        ``cpu_fused`` backend resolved at build (:attr:`cpu_args`), CPU rows of the layer's
+        width and no ``context``: one C++ entry does the metadata checks, reads drift rows
+        through ``row_to_request`` and allocates the buffers not given
+        (:func:`~.kernels.cpu_fused.run_layer`); same rows and counters.
         """
-        if self.cpu_args is not None and out is None and counters_out is None and context is None and (
-                topk_indices.shape[1] == self.width and topk_indices.is_cpu):
+        if self.cpu_args is not None and context is None and topk_indices.shape[1] == self.width and (
+                topk_indices.is_cpu):
             # The serving call on CPU: one C++ entry (checks, drift rows, buffers, rows).
             step = _NO_CONTEXT_PLAN if plan is None else plan
             rows, counters = cpu_fused.run_layer(topk_indices, lengths, offsets, block_drift_scores,
-                                                 row_to_request, step.scaffold_lengths, self.cpu_args)
+                                                 row_to_request, step.scaffold_lengths, self.cpu_args,
+                                                 out=out, counters=counters_out)
             return TopologyKVPolicyResult(
                 indices=rows,
                 counters=TopologyKVCounters(tensors={}, compression_hits=step.compression_hits,

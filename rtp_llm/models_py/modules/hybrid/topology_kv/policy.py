@@ -34,7 +34,9 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (  # noqa: F401 
     TopologyKVPolicyMode,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout, PolicyTensors
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_fused
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import (  # noqa: F401 (re-exported)
+    buffer_counters,
     resolve_backend,
     run_policy_core,
 )
@@ -362,6 +364,16 @@ def run_layout(
     runs per call. ``inputs.drift`` is ``[B, N]`` with ``row_to_request``, else ``[R, N]``.
     Returns :func:`run_policy_core`'s ``(rows, counters, lazy)``.
     """
+    x = inputs.topk_indices
+    if backend is TopologyKVBackend.CPU_FUSED and x.shape[1] >= 1:
+        # One C++ entry: metadata checks, drift rows through row_to_request, the rows.
+        _, lengths, offsets, drift, scores, scaffold = inputs
+        rows, buffer = cpu_fused.run_layer(
+            x, lengths, offsets, drift, row_to_request if drift is not None else None,
+            scaffold if layout.compress_mode else None, cpu_fused.layer_args(layout, x.shape[1]),
+            learned_scores=scores, out=out, counters=counters_out,
+        )
+        return rows, {}, lambda: buffer_counters(buffer)
     if inputs.drift is not None and row_to_request is not None:
         drift = select_request_rows(inputs.drift, row_to_request, "the rows of block_drift_scores")  # [B, N] -> [R, N]
         inputs = inputs._replace(drift=drift)

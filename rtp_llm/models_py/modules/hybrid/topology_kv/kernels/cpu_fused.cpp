@@ -482,13 +482,16 @@ void check_vector(const char* name, const at::Tensor& t, int64_t R) {
                     ",) on cpu, got ", t.sizes(), " on ", t.device());
 }
 
-// The per-layer call (TopologyKVLayerPolicy.run on CPU): the metadata checks here, in
-// C++; drift [B, N] read through row_to_request [R] (every entry checked in [0, B) before
-// any row runs); out and counters allocated here. Returns (out, counters).
+// One policy call from Python (a layer's call, or run_layout's): the metadata checks here,
+// in C++; drift [B, N] read through row_to_request [R] (every entry checked in [0, B)
+// before any row runs); learned scores read as fp32; out and counters the caller's
+// (counters accumulate) or allocated here. Returns (out, counters).
 std::vector<at::Tensor> run_layer(const at::Tensor& x, const at::Tensor& lengths,
                                   const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& drift_in,
                                   const c10::optional<at::Tensor>& row_to_request,
-                                  const c10::optional<at::Tensor>& scaffold, bool only, bool compress,
+                                  const c10::optional<at::Tensor>& scaffold,
+                                  const c10::optional<at::Tensor>& scores_in, const c10::optional<at::Tensor>& out_in,
+                                  const c10::optional<at::Tensor>& counters_in, bool only, bool compress,
                                   int64_t sink_blocks, int64_t local_blocks, int64_t n_wit, int64_t block_size,
                                   int64_t structural_cap, int64_t sink_tokens, bool scale, int64_t grain) {
   TORCH_CHECK_TYPE(is_index(x) && x.dim() == 2, "topk_indices: expected an int32/int64 tensor [R, W], got ",
@@ -522,9 +525,34 @@ std::vector<at::Tensor> run_layer(const at::Tensor& x, const at::Tensor& lengths
       TORCH_CHECK_VALUE(d.size(0) == R, "drift: expected a float tensor [", R, ", N] on cpu, got ", d.sizes());
     }
   }
-  at::Tensor out = at::empty({R, x.size(1)}, x.options());
-  at::Tensor counters = at::zeros({kCounters}, x.options().dtype(at::kLong));
-  run_params(x, out, lengths, offsets, drift, r2r, c10::nullopt, comp ? scaffold : c10::nullopt, counters,
+  const int64_t W = x.size(1);
+  c10::optional<at::Tensor> scores;
+  if (scores_in.has_value() && !only) {
+    const at::Tensor& t = *scores_in;
+    TORCH_CHECK_VALUE(t.is_floating_point() && t.dim() == 2 && t.size(0) == R && t.size(1) == W && t.device().is_cpu(),
+                      "learned_scores: expected a float tensor [", R, ", ", W, "] on cpu, got ", t.scalar_type(), " ",
+                      t.sizes(), " on ", t.device());
+    scores = t.scalar_type() == at::kFloat ? t : t.to(at::kFloat);
+  }
+  at::Tensor out;
+  if (out_in.has_value()) {
+    out = *out_in;
+    TORCH_CHECK_VALUE(out.scalar_type() == x.scalar_type() && out.dim() == 2 && out.size(0) == R && out.size(1) == W &&
+                      out.device().is_cpu(), "out: expected ", x.scalar_type(), " [", R, ", ", W, "] on cpu, got ",
+                      out.scalar_type(), " ", out.sizes(), " on ", out.device());
+  } else {
+    out = at::empty({R, W}, x.options());
+  }
+  at::Tensor counters;
+  if (counters_in.has_value()) {
+    counters = *counters_in;
+    TORCH_CHECK_VALUE(counters.scalar_type() == at::kLong && counters.dim() == 1 && counters.size(0) == kCounters &&
+                      counters.device().is_cpu(), "counters: expected int64 [", kCounters, "] on cpu, got ",
+                      counters.scalar_type(), " ", counters.sizes(), " on ", counters.device());
+  } else {
+    counters = at::zeros({kCounters}, x.options().dtype(at::kLong));
+  }
+  run_params(x, out, lengths, offsets, drift, r2r, scores, comp ? scaffold : c10::nullopt, counters,
              c10::nullopt, only, comp, sink_blocks, local_blocks, n_wit, block_size, structural_cap, sink_tokens,
              scale, grain);
   return {out, counters};

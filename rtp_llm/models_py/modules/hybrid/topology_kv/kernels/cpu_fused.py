@@ -31,6 +31,7 @@ injected counters are counted in the row pass, as the core counts them.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple, Union
 
 import torch
@@ -102,8 +103,9 @@ def topology_kv_policy_cpu(
     return out, counters
 
 
+@functools.lru_cache(maxsize=512)
 def layer_args(layout: PolicyLayout, width: int) -> tuple:
-    """The kernel's per-layer constants for rows of width ``width`` (see :func:`run_layer`)."""
+    """The kernel's constants for rows of width ``width`` (see :func:`run_layer`; cached)."""
     return (
         layout.only, layout.compress_mode, layout.sink_blocks, layout.local_blocks, layout.witness_count(width),
         layout.block_size, layout.structural_cap(width), -1 if layout.sink_tokens is None else layout.sink_tokens,
@@ -119,16 +121,21 @@ def run_layer(
     row_to_request: Optional[torch.Tensor],
     scaffold_lengths: Optional[torch.Tensor],
     args: tuple,
+    *,
+    learned_scores: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    counters: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A layer's call in one C++ entry: ``(out, counters)`` as :func:`topology_kv_policy_cpu`
+    """One policy call in one C++ entry: ``(out, counters)`` as :func:`topology_kv_policy_cpu`
     returns them for :func:`~rtp_llm.models_py.modules.hybrid.topology_kv.policy.run_layout`'s
     inputs (``drift`` ``[B, N]`` read through ``row_to_request``, or ``[R, N]`` without it),
-    no learned scores, ``args`` from :func:`layer_args` for the rows' width.
+    ``args`` from :func:`layer_args` for the rows' width; ``out`` / ``counters`` as
+    :func:`check_kernel_buffers` documents them (None: allocated).
 
     The metadata checks run in C++ (``TypeError`` / ``ValueError`` naming the argument, as
     the Python checks do) and an out-of-range ``row_to_request`` entry is a ``ValueError``
-    naming the row and its value before any row runs; ``out`` and the counters are new.
+    naming the row and its value before any row runs. ``out`` may be ``topk_indices`` but
+    must not otherwise overlap the inputs (not checked here).
     """
-    out, counters = _KERNEL.load().run_layer(topk_indices, lengths, offsets, drift, row_to_request,
-                                             scaffold_lengths, *args)
-    return out, counters
+    return tuple(_KERNEL.load().run_layer(topk_indices, lengths, offsets, drift, row_to_request, scaffold_lengths,
+                                          learned_scores, out, counters, *args))
