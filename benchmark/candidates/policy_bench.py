@@ -363,8 +363,10 @@ def time_tracker_update(device: torch.device, rounds: int, warmup: int, key_dim:
     ``BlockDriftTracker.update`` (one C++ call on CPU) beside ``update_reference`` (torch
     ops), for batches of :data:`TRACKER_BATCHES` requests, one new key each, mid-block.
 
-    ``key_dim`` 128 is DSA's indexer key. Each call writes the same positions again; the
-    tracker's work does not depend on the values.
+    ``key_dim`` 128 is DSA's indexer key. Each call writes the same mid-block positions
+    again, so no block pair completes: the case of 63 of 64 decode steps. The step that
+    completes a block also computes one ``key_dim``-long distance per key in the C++ call
+    (the torch ops compute theirs every step); these figures leave that step out.
     """
     from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
 

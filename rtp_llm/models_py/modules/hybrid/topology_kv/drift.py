@@ -270,9 +270,7 @@ class BlockDriftTracker:
         request id or slot raises before anything is written.
         """
         T = self._check_update(keys, positions, request_ids, pool, slots)
-        if self._fused is None:
-            self._fused = cpu_drift.can_use_drift_kernel(self.device)
-        if self._fused and keys.is_cpu and positions.is_cpu and (request_ids is None or request_ids.is_cpu) and (
+        if self.fused and keys.is_cpu and positions.is_cpu and (request_ids is None or request_ids.is_cpu) and (
                 pool is None or (pool.is_cpu and slots.is_cpu and pool.dtype in cpu_drift.POOL_DTYPES
                                  and pool.stride(1) == 1 and keys.dtype in cpu_drift.EXACT_IN_FP32)):
             cpu_drift.track_keys_cpu(

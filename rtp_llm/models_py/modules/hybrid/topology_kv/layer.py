@@ -31,8 +31,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     TopologyKVPolicyMode,
     WitnessSignal,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_fused
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import buffer_counters, resolve_backend
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import resolve_backend
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout, PolicyTensors
 from rtp_llm.models_py.modules.hybrid.topology_kv.policy import (
     TopologyKVCounters,
@@ -75,9 +74,6 @@ class TopologyKVLayerPolicy:
     layout: Optional[PolicyLayout]
     backend: Optional[TopologyKVBackend]
     reads_drift: bool
-    # The fused CPU kernel's constants for rows of ``width`` when the backend resolved at
-    # build is ``cpu_fused`` (then a call is one C++ entry), else None.
-    cpu_args: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -117,19 +113,13 @@ class TopologyKVLayerPolicy:
         backend = None
         if device is not None and policy.enabled:
             backend = resolve_backend(policy.backend, device)  # raises naming backend and device
-        layout = PolicyLayout.from_config(policy) if policy.enabled else None
-        cpu_args = None
-        if (backend is TopologyKVBackend.CPU_FUSED and width >= 1
-                and policy.coordinate_mismatch_action is not CoordinateMismatchAction.RAISE):
-            cpu_args = cpu_fused.layer_args(layout, width)  # cached per (layout, width)
         return cls(
             settings=settings,
             layer_idx=0 if layer_idx is None else layer_idx,
             width=width,
-            layout=layout,
+            layout=PolicyLayout.from_config(policy) if policy.enabled else None,
             backend=backend,
             reads_drift=policy.enabled and settings.resolved_witness_signal is WitnessSignal.KEY_DRIFT,
-            cpu_args=cpu_args,
         )
 
     @property
@@ -155,25 +145,10 @@ class TopologyKVLayerPolicy:
         """The layer's policy on its top-k rows (shapes as in :func:`apply_topology_kv_policy`).
 
         Disabled: ``topk_indices`` itself and no counters. ``coordinate_mismatch_action=raise``
-        runs the public entry (its host check is the point of that setting). With the
-        ``cpu_fused`` backend resolved at build (:attr:`cpu_args`), CPU rows of the layer's
-        width and no ``context``: one C++ entry does the metadata checks, reads drift rows
-        through ``row_to_request`` and allocates the buffers not given
-        (:func:`~.kernels.cpu_fused.run_layer`); same rows and counters.
+        runs the public entry (its host check is the point of that setting). With
+        ``cpu_fused`` the rows come from one C++ entry (:func:`run_layout`: the metadata
+        checks in C++, drift rows read through ``row_to_request``).
         """
-        if self.cpu_args is not None and context is None and topk_indices.shape[1] == self.width and (
-                topk_indices.is_cpu):
-            # The serving call on CPU: one C++ entry (checks, drift rows, buffers, rows).
-            step = _NO_CONTEXT_PLAN if plan is None else plan
-            rows, counters = cpu_fused.run_layer(topk_indices, lengths, offsets, block_drift_scores,
-                                                 row_to_request, step.scaffold_lengths, self.cpu_args,
-                                                 out=out, counters=counters_out)
-            return TopologyKVPolicyResult(
-                indices=rows,
-                counters=TopologyKVCounters(tensors={}, compression_hits=step.compression_hits,
-                                            lazy=lambda: buffer_counters(counters)),
-                fingerprints=step.fingerprints,
-            )
         config = self.settings.policy
         if self.layout is None:
             return TopologyKVPolicyResult(indices=topk_indices, counters=None)

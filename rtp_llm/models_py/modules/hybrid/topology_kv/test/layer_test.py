@@ -145,11 +145,11 @@ def test_out_of_range_row_to_request_names_the_row(backend):
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or TopologyKVBackend.CPU_FUSED not in BACKENDS, reason="the fused CPU kernel")
 def test_cpu_layer_call_is_one_cpp_entry_with_checks_in_cpp():
-    """On CPU with cpu_fused, a call goes straight to the C++ entry (no Python buffer check,
-    no drift row select) and that entry still refuses bad metadata, naming the argument."""
+    """On CPU with cpu_fused, a call reaches the C++ entry without the Python buffer check or
+    the drift row select, and that entry still refuses bad metadata, naming the argument."""
     layer = TopologyKVLayerPolicy.build(_settings(TopologyKVPolicyMode.TOPOLOGY_SPARSE_MERGE, TopologyKVBackend.CPU_FUSED),
                                         layer_idx=0, width=8, device=DEVICE)
-    assert layer.cpu_args is not None
+    assert layer.backend is TopologyKVBackend.CPU_FUSED
     rows = torch.arange(16, dtype=torch.int32).view(2, 8)
     L = torch.tensor([40, 40], dtype=torch.int32)
     fail = {"side_effect": AssertionError("per-call Python check")}
