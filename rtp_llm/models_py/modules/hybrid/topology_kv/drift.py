@@ -23,7 +23,7 @@ import torch
 
 from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import FLOAT_DTYPES, check_block_keys, check_tensor
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import DEFAULT_BLOCK_SIZE, parse_enum_member
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_drift
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_drift, triton_drift
 
 
 class DriftMetric(enum.Enum):
@@ -187,7 +187,7 @@ class BlockDriftTracker:
         self._sums = torch.zeros(B, N + 1, key_dim, dtype=torch.float32, device=device)
         self._counts = torch.zeros(B, N + 1, dtype=torch.float32, device=device)
         self._drift_flat = torch.zeros(B * N + 1, dtype=torch.float32, device=device)  # last: dump
-        self._fused: Optional[bool] = None  # whether update() runs the C++ kernel (decided on first use)
+        self._kernel: Optional[str] = None  # what update() runs: "cpu", "triton" or "torch" (on first use)
         self._drift_view = self._drift_flat[: B * N].view(B, N)  # the state is never reallocated
 
     @property
@@ -239,11 +239,23 @@ class BlockDriftTracker:
         self.drift_scores().index_fill_(0, ids, 0.0)
 
     @property
+    def kernel(self) -> str:
+        """What :meth:`update` runs on this tracker's device: ``"cpu"`` (the C++ kernel, CPU
+        state and a working build), ``"triton"`` (CUDA state and triton) or ``"torch"``
+        (:meth:`update_reference`'s ops)."""
+        if self._kernel is None:
+            if cpu_drift.can_use_drift_kernel(self.device):
+                self._kernel = "cpu"
+            elif self.device.type == "cuda" and triton_drift.can_use_triton_drift(self.device):
+                self._kernel = "triton"
+            else:
+                self._kernel = "torch"
+        return self._kernel
+
+    @property
     def fused(self) -> bool:
-        """Whether :meth:`update` runs the one-call C++ kernel (CPU state and a working build)."""
-        if self._fused is None:
-            self._fused = cpu_drift.can_use_drift_kernel(self.device)
-        return self._fused
+        """Whether :meth:`update` is one fused kernel call (C++ on CPU, Triton on CUDA)."""
+        return self.kernel != "torch"
 
     def update(
         self,
@@ -265,20 +277,33 @@ class BlockDriftTracker:
         pool, slots : optional ``[S, K]`` key pool and int ``[T]`` slots: the keys are
             stored there too (``pool[slots] = keys.to(pool.dtype)``), in the same call
 
-        On CPU (:attr:`fused`) one C++ call does it all, bit for bit as
-        :meth:`update_reference` (the specification; every other device runs it); a bad
-        request id or slot raises before anything is written.
+        One fused call where :attr:`kernel` says so (C++ on CPU: a bad request id or slot
+        raises before anything is written; Triton on CUDA: two launches, a key with a bad
+        request id or slot is skipped), bit for bit as :meth:`update_reference` (the
+        specification, which runs everywhere else and for inputs the kernels do not take).
         """
         T = self._check_update(keys, positions, request_ids, pool, slots)
-        if self.fused and keys.is_cpu and positions.is_cpu and (request_ids is None or request_ids.is_cpu) and (
-                pool is None or (pool.is_cpu and slots.is_cpu and pool.dtype in cpu_drift.POOL_DTYPES
-                                 and pool.stride(1) == 1 and keys.dtype in cpu_drift.EXACT_IN_FP32)):
-            cpu_drift.track_keys_cpu(
+        kernel = self.kernel
+        if kernel != "torch" and self._kernel_takes(keys, positions, request_ids, pool, slots):
+            run = cpu_drift.track_keys_cpu if kernel == "cpu" else triton_drift.track_keys_triton
+            run(
                 keys.reshape(T, self.key_dim), positions, request_ids, self._sums, self._counts, self._drift_flat,
                 block_size=self.block_size, cosine=self.metric is DriftMetric.COSINE, pool=pool, slots=slots,
             )
             return
         self._update_torch(keys, positions, request_ids, pool, slots)
+
+    def _kernel_takes(self, keys, positions, request_ids, pool, slots) -> bool:
+        """Whether the fused kernel takes these inputs (metadata only): all on the state's
+        device, a pool of a supported dtype with unit stride along ``K``, keys exact in fp32."""
+        device = self.device
+        tensors = (keys, positions, request_ids, pool, slots)
+        if any(t is not None and t.device != device for t in tensors):
+            return False
+        if self.kernel == "triton" and keys.reshape(keys.shape[0], self.key_dim).stride(-1) != 1:
+            return False
+        return pool is None or (pool.dtype in cpu_drift.POOL_DTYPES and pool.stride(1) == 1
+                                and keys.dtype in cpu_drift.EXACT_IN_FP32)
 
     def update_reference(
         self,

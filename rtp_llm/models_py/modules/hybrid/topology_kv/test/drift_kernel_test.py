@@ -5,8 +5,14 @@ On CPU, :meth:`BlockDriftTracker.update` (the C++ kernel) equals
 pool rows, sums, counts and drift, over random shapes, block sizes, multi-row steps,
 positions across block boundaries and past capacity, pool and index dtypes (hypothesis).
 The distance rule itself is pinned against a plain Python loop and hand-computed values.
-On another device under test (``tools.device_under_test``) the tracker runs the torch
-path there, checked against the CPU kernel within fp32 rounding.
+The Triton kernel (``kernels/triton_drift.py``; under ``TRITON_INTERPRET=1`` on CPU, compiled
+on a GPU under test) equals the same reference bit for bit: over the same random runs with
+keys on a dyadic grid (its atomics may add a multi-key step in any order; those sums are
+exact in any order) and on decode-shaped steps with arbitrary keys (one key per request and
+block: no order to choose). An ahead-of-time compile for sm_90 checks the generated PTX for
+IEEE division and square root and for the absence of fused multiply-adds. On a GPU under
+test (``tools.device_under_test``) the tracker runs the Triton kernel there, and a decode
+step's update is captured in a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -26,10 +32,15 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.drift import (
     block_key_centroids,
     pair_drift_unchecked,
 )
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import triton_drift
 from tools.device_under_test import DEVICE
 
 ON_CPU = DEVICE.type == "cpu"
 cpu_only = pytest.mark.skipif(not ON_CPU, reason=f"the C++ kernel runs on CPU tensors (device under test: {DEVICE})")
+needs_triton = pytest.mark.skipif(
+    not triton_drift.can_use_triton_drift(DEVICE),
+    reason=f"triton cannot run on {DEVICE} here (on CPU it needs TRITON_INTERPRET=1 before import)",
+)
 
 
 def _f32(x: float) -> float:
@@ -114,10 +125,13 @@ def _runs(draw):
     )
 
 
-def _step_inputs(run, T, seed):
+def _step_inputs(run, T, seed, dyadic=False):
     g = torch.Generator().manual_seed(seed)
     B, N, bs, K = run["B"], run["N"], run["bs"], run["K"]
-    keys = (torch.randn(T, K, generator=g) * 2 + 0.5).to(run["key_dtype"])
+    if dyadic:  # multiples of 1/8 up to 8: every fp32 sum of them is exact, in any order
+        keys = (torch.randint(-64, 65, (T, K), generator=g) / 8).to(run["key_dtype"])
+    else:
+        keys = (torch.randn(T, K, generator=g) * 2 + 0.5).to(run["key_dtype"])
     # Mostly in range, some negative or past capacity (the dump column); block boundaries by construction.
     pos = torch.randint(-2, N * bs + 3, (T,), generator=g).to(run["index_dtype"])
     req = torch.randint(0, B, (T,), generator=g).to(run["index_dtype"]) if run["batch"] else None
@@ -239,3 +253,212 @@ def test_unsupported_pool_dtype_takes_the_torch_path():
     b.update_reference(keys, torch.tensor([0, 1]), pool=pb, slots=torch.tensor([2, 5]))
     assert torch.equal(pa, pb) and pa[5].tolist() == [4, 5, 6]
     assert torch.equal(a._sums, b._sums)
+
+
+# ---------------------------------------------------------------- the Triton kernel
+
+
+def _triton_update(tracker, keys, pos, req, pool, slots):
+    """``tracker.update`` through the Triton kernel on the device under test (the tracker's
+    own routing on a GPU; a direct call of the interpreted kernel on CPU)."""
+    if DEVICE.type == "cuda":
+        assert tracker.kernel == "triton"
+        tracker.update(keys, pos, req, pool=pool, slots=slots)
+        return
+    T = keys.shape[0]
+    assert tracker._kernel_takes(keys, pos, req, pool, slots)
+    triton_drift.track_keys_triton(
+        keys.reshape(T, tracker.key_dim), pos, req, tracker._sums, tracker._counts, tracker._drift_flat,
+        block_size=tracker.block_size, cosine=tracker.metric is DriftMetric.COSINE, pool=pool, slots=slots,
+    )
+
+
+def _on(device, *tensors):
+    return [None if t is None else t.to(device) for t in tensors]
+
+
+def _check_same_state(dev, ref, pools=None):
+    assert torch.equal(dev._sums.cpu(), ref._sums)
+    assert torch.equal(dev._counts.cpu(), ref._counts)
+    assert torch.equal(dev.drift_scores().cpu(), ref.drift_scores())
+    if pools is not None:
+        assert torch.equal(pools[0].cpu(), pools[1])
+
+
+@needs_triton
+@given(run=_runs())
+@settings(max_examples=int(__import__("os").environ.get("TOPOLOGY_KV_TRITON_EXAMPLES", "40")), deadline=None)
+def test_triton_update_equals_reference_bit_for_bit(run):
+    if run["key_dtype"] == torch.float64 and run["pool_dtype"] is not None:
+        run["key_dtype"] = torch.float32  # a pool written from fp64 keys takes the torch path
+    dev = BlockDriftTracker(run["B"], run["N"], run["K"], block_size=run["bs"], metric=run["metric"], device=DEVICE)
+    ref = BlockDriftTracker(run["B"], run["N"], run["K"], block_size=run["bs"], metric=run["metric"])
+    size = 4 * max((T for T, _ in run["steps"]), default=0) + 4
+    pools = None
+    if run["pool_dtype"]:
+        pools = [torch.zeros(size, run["K"], dtype=run["pool_dtype"], device=DEVICE),
+                 torch.zeros(size, run["K"], dtype=run["pool_dtype"])]
+    for T, seed in run["steps"]:
+        keys, pos, req, slots = _step_inputs(run, T, seed, dyadic=True)
+        if pools is None:
+            _triton_update(dev, *_on(DEVICE, keys, pos, req), None, None)
+            ref.update_reference(keys, pos, req)
+        else:
+            _triton_update(dev, *_on(DEVICE, keys, pos, req), pools[0][: 4 * T + 4], slots.to(DEVICE))
+            ref.update_reference(keys, pos, req, pool=pools[1][: 4 * T + 4], slots=slots)
+    _check_same_state(dev, ref, pools)
+
+
+def _decode_run(seed, B=3, N=5, bs=4, K=20, metric=DriftMetric.L2, pool_dtype=torch.bfloat16):
+    """Prefill-free decode: every step adds one arbitrary fp32 key per request."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(N * bs, B, K, generator=g) * 3
+    slots = torch.randperm(N * bs * B, generator=g).view(N * bs, B)
+    return keys, slots, torch.zeros(N * bs * B, K, dtype=pool_dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("metric", list(DriftMetric))
+def test_triton_decode_steps_bit_for_bit_with_arbitrary_keys(metric):
+    B, N, bs, K = 3, 5, 4, 20
+    keys, slots, pool = _decode_run(5, B, N, bs, K, metric)
+    dev = BlockDriftTracker(B, N, K, block_size=bs, metric=metric, device=DEVICE)
+    ref = BlockDriftTracker(B, N, K, block_size=bs, metric=metric)
+    pools = [pool.to(DEVICE), pool.clone()]
+    req = torch.arange(B, dtype=torch.int32)
+    for p in range(N * bs):
+        pos = torch.full((B,), p, dtype=torch.int32)
+        _triton_update(dev, *_on(DEVICE, keys[p], pos, req), pools[0], slots[p].to(DEVICE))
+        ref.update_reference(keys[p], pos, req, pool=pools[1], slots=slots[p])
+    assert (ref.drift_scores()[:, 1:] > 0).all()  # every block completed and scored
+    _check_same_state(dev, ref, pools)
+
+
+@needs_triton
+def test_triton_bf16_pool_rounds_to_nearest_even():
+    # Ties between two bf16 values (even mantissa wins), a carry into the exponent, inf, NaN.
+    vals = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, 2.0 - 2**-9, float("inf"), float("nan"), -0.0,
+                         3.0e38, 1e-40])
+    tr = BlockDriftTracker(1, 2, vals.numel(), block_size=4, device=DEVICE)
+    pool = torch.zeros(1, vals.numel(), dtype=torch.bfloat16, device=DEVICE)
+    _triton_update(tr, *_on(DEVICE, vals.view(1, -1), torch.tensor([0]), None), pool, torch.tensor([0], device=DEVICE))
+    want = vals.to(torch.bfloat16)
+    got = pool.cpu()[0]
+    assert torch.equal(got.view(torch.int16)[:4], want.view(torch.int16)[:4])
+    assert torch.isnan(got[4]) and torch.equal(got[5:].view(torch.int16), want[5:].view(torch.int16))
+
+
+@needs_triton
+def test_triton_skips_a_key_with_a_bad_index():
+    """A sync-free kernel cannot raise: a key with an out-of-range request id or slot writes
+    nothing; the other keys of the step land as the reference puts them."""
+    dev = BlockDriftTracker(2, 4, 3, block_size=2, device=DEVICE)
+    ref = BlockDriftTracker(2, 4, 3, block_size=2)
+    pools = [torch.zeros(8, 3, device=DEVICE), torch.zeros(8, 3)]
+    keys = torch.arange(12, dtype=torch.float32).view(4, 3)
+    pos = torch.tensor([0, 1, 2, 3])
+    req = torch.tensor([0, 2, 1, -1])  # keys 1 and 3: bad request ids
+    slots = torch.tensor([0, 1, 9, 3])  # key 2: bad slot
+    _triton_update(dev, *_on(DEVICE, keys, pos, req), pools[0], slots.to(DEVICE))
+    ref.update_reference(keys[:1], pos[:1], req[:1], pool=pools[1], slots=slots[:1])
+    _check_same_state(dev, ref, pools)
+    assert dev._counts.sum().item() == 1.0
+
+
+def test_tracker_routes_to_the_devices_kernel():
+    tr = BlockDriftTracker(1, 2, 3, device=DEVICE)
+    want = {"cpu": "cpu", "cuda": "triton"}.get(DEVICE.type, "torch")
+    assert tr.kernel == want and tr.fused
+    # Inputs the kernel does not take (keys on another device than the state) run the torch path.
+    if DEVICE.type == "cuda":
+        assert not tr._kernel_takes(torch.ones(1, 3), torch.zeros(1, dtype=torch.int64), None, None, None)
+
+
+_PTX_SCRIPT = r"""
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import triton_drift as K
+
+PTR = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.float16: "*fp16",
+       torch.bfloat16: "*bf16", torch.float64: "*fp64"}
+I = "i32"
+def ptx(fn, args, consts, warps):
+    names = [n for n in fn.arg_names if n not in consts]
+    sig = {n: (PTR[a] if isinstance(a, torch.dtype) else a) for n, a in zip(names, args)}
+    sig.update({n: "constexpr" for n in consts})
+    return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, **K.COMPILE_OPTIONS}).asm["ptx"]
+def ops(text):  # the opcode of every instruction (a predicate guard "@%p1" skipped; no labels, directives)
+    words = [l.split() for l in text.splitlines() if l.strip() and not l.strip().startswith(("//", "."))]
+    words = [w[1:] if w[0].startswith("@") else w for w in words]
+    return sorted({w[0] for w in words if w and not w[0].endswith(":") and not w[0].startswith(("{", "}", ")"))})
+for pool in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+    a = (torch.float32, I, torch.int32, I, torch.int64, I, torch.int32, I, pool, I, torch.float32, torch.float32,
+         I, I, I, I)
+    print("store", pool, *ops(ptx(K._store_and_add_kernel, a, dict(BS=64, BLOCK_K=128, HAS_REQ=True, HAS_POOL=True,
+                                                                     POOL_BF16=pool == torch.bfloat16), 4)))
+for cosine in (False, True):
+    a = (torch.int64, I, torch.int64, I, torch.int64, I, torch.float32, torch.float32, torch.float32, I, I, I, I)
+    print("drift", "cosine" if cosine else "l2",
+          *ops(ptx(K._drift_kernel, a, dict(BS=64, HAS_REQ=True, HAS_POOL=True, COSINE=cosine), 1)))
+"""
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU every Triton test above compiles and runs the kernels")
+def test_triton_kernels_compile_for_sm90_with_ieee_rounding():
+    """Both kernels through Triton's whole pipeline for sm_90 (no GPU needed), and what their
+    PTX does with floats: IEEE division and square root, no fused multiply-add, atomics."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("triton's NVIDIA backend is not installed")
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 6))  # the repository root
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = {tuple(l.split()[:2]): set(l.split()[2:]) for l in proc.stdout.splitlines()}
+    assert len(lines) == 6, proc.stdout
+    for key, ops in lines.items():
+        assert not any(op.startswith("fma.") for op in ops), (key, sorted(ops))
+        assert not any(".approx." in op or op.startswith("rcp.") for op in ops), (key, sorted(ops))
+        if key[0] == "store":
+            assert any(op.startswith(("red.", "atom.")) for op in ops), (key, sorted(ops))
+        else:
+            assert {"div.rn.f32", "sqrt.rn.f64", "mul.rn.f64", "add.rn.f64"} <= ops, (key, sorted(ops))
+    assert "div.rn.f64" in lines[("drift", "cosine")]
+    assert "cvt.rn.f16.f32" in lines[("store", "torch.float16")]
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
+def test_triton_update_captured_in_a_cuda_graph():
+    B, N, bs, K = 3, 5, 4, 20
+    keys, slots, pool = _decode_run(9, B, N, bs, K)
+    dev = BlockDriftTracker(B, N, K, block_size=bs, device=DEVICE)
+    ref = BlockDriftTracker(B, N, K, block_size=bs)
+    pools = [pool.to(DEVICE), pool.clone()]
+    static = [torch.zeros(B, K, device=DEVICE), torch.zeros(B, dtype=torch.int64, device=DEVICE),
+              torch.arange(B, device=DEVICE), torch.zeros(B, dtype=torch.int64, device=DEVICE)]
+    assert dev.kernel == "triton"
+    warm = BlockDriftTracker(B, N, K, block_size=bs, device=DEVICE)  # compile outside the capture
+    warm.update(static[0], static[1], static[2], pool=torch.zeros_like(pools[0]), slots=static[3])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dev.update(static[0], static[1], static[2], pool=pools[0], slots=static[3])
+    dev.reset()
+    pools[0].zero_()
+    req = torch.arange(B)
+    for p in range(N * bs):
+        pos = torch.full((B,), p, dtype=torch.int64)
+        for buf, val in zip(static, (keys[p], pos, req, slots[p])):
+            buf.copy_(val)
+        graph.replay()
+        ref.update_reference(keys[p], pos, req, pool=pools[1], slots=slots[p])
+    torch.cuda.synchronize()
+    _check_same_state(dev, ref, pools)
