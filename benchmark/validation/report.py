@@ -122,13 +122,20 @@ def run_policy(out_dir: Path, quick: bool, device: str) -> Dict:
 
 
 def policy_markdown(rows: List[Dict]) -> str:
-    lines = ["| mode | backend | rows | L | learned scores | policy us | topk us | policy / topk |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | backend | rows | L | learned scores | layer call us | public entry us | topk us | "
+             "layer / topk | public / topk |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
     for r in rows:
-        ratio = "-" if r.get("policy_over_topk") is None else f"{r['policy_over_topk']:.3f}"
-        topk = "-" if r.get("topk_ms") is None else f"{r['topk_ms'] * 1e3:.0f}"
+        topk = None if r.get("topk_ms") is None else r["topk_ms"] * 1e3
+        layer = None if r.get("layer_ms") is None else r["layer_ms"] * 1e3
         lines.append(f"| {r['mode']} | {r.get('backend', 'torch')} | {r['rows']} | {r['seq_len']} | "
-                     f"{'yes' if r['learned_scores'] else 'no'} | {r['policy_ms'] * 1e3:.0f} | {topk} | {ratio} |")
+                     f"{'yes' if r['learned_scores'] else 'no'} | {fmt(layer, '.0f')} | {r['policy_ms'] * 1e3:.0f} | "
+                     f"{fmt(topk, '.0f')} | {fmt(r.get('layer_over_topk'), '.3f')} | "
+                     f"{fmt(r.get('policy_over_topk'), '.3f')} |")
     return "\n".join(lines)
 
 

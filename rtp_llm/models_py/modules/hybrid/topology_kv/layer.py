@@ -137,12 +137,14 @@ class TopologyKVLayerPolicy:
         block_drift_scores: Optional[torch.Tensor] = None,
         row_to_request: Optional[torch.Tensor] = None,
         *,
+        learned_scores: Optional[torch.Tensor] = None,
         context: ContextArg = None,
         plan: Optional[TopologyStepPlan] = None,
         out: Optional[torch.Tensor] = None,
         counters_out: Optional[torch.Tensor] = None,
     ) -> TopologyKVPolicyResult:
-        """The layer's policy on its top-k rows (shapes as in :func:`apply_topology_kv_policy`).
+        """The layer's policy on its top-k rows (shapes as in :func:`apply_topology_kv_policy`;
+        ``learned_scores``: the indexer's scores of the rows' entries, for score eviction).
 
         Disabled: ``topk_indices`` itself and no counters. ``coordinate_mismatch_action=raise``
         runs the public entry (its host check is the point of that setting). With
@@ -155,8 +157,8 @@ class TopologyKVLayerPolicy:
         if config.coordinate_mismatch_action is CoordinateMismatchAction.RAISE:
             return apply_topology_kv_policy(
                 topk_indices, lengths, config=config, topk_indices_offset=offsets,
-                block_drift_scores=block_drift_scores, row_to_request=row_to_request, context=context,
-                plan=plan, backend=self.backend, out=out, counters_out=counters_out,
+                block_drift_scores=block_drift_scores, row_to_request=row_to_request, learned_scores=learned_scores,
+                context=context, plan=plan, backend=self.backend, out=out, counters_out=counters_out,
             )
         R, W = topk_indices.shape
         if W == 0:  # the kernels need a column
@@ -170,7 +172,7 @@ class TopologyKVLayerPolicy:
         backend = self.backend
         if backend is None:
             backend = resolve_backend(config.backend, topk_indices.device)  # cached per (backend, device)
-        inputs = PolicyTensors(topk_indices, lengths, offsets, block_drift_scores, None, plan.scaffold_lengths)
+        inputs = PolicyTensors(topk_indices, lengths, offsets, block_drift_scores, learned_scores, plan.scaffold_lengths)
         rows, counters, lazy = run_layout(
             backend, self.layout, inputs, row_to_request, out=out, counters_out=counters_out
         )

@@ -1,8 +1,8 @@
 // The topology KV candidate policy as one fused CPU pass per row, rows in parallel.
 //
-// Same semantics as topology_kv_policy_core (its docstring is the specification); the
-// Python wrapper (cpu_fused.py) validates metadata, converts float inputs to
-// fp32 exactly as the core does, and calls `run` below. Per row, sequentially:
+// Same semantics as topology_kv_policy_core (its docstring is the specification); one
+// entry, `run_layer` below, checks the metadata, converts float inputs to fp32 exactly
+// as the core does and runs the rows. Per row, sequentially:
 //
 //  1. load the row (int64), check the coordinate contract (offset, length, dtype overflow,
 //     interval, padding order, duplicates by a per-thread bitmap over the row's interval or
@@ -463,17 +463,6 @@ void run_params(const at::Tensor& x, const at::Tensor& out, const at::Tensor& le
   });
 }
 
-// The entry of cpu_fused.py's wrapper (it validated everything; drift already per row).
-void run(const at::Tensor& x, const at::Tensor& out, const at::Tensor& lengths,
-         const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& drift,
-         const c10::optional<at::Tensor>& scores, const c10::optional<at::Tensor>& scaffold,
-         const at::Tensor& counters, const c10::optional<at::Tensor>& mismatch, bool only, bool compress,
-         int64_t sink_blocks, int64_t local_blocks, int64_t n_wit, int64_t block_size, int64_t structural_cap,
-         int64_t sink_tokens, bool scale, int64_t grain) {
-  run_params(x, out, lengths, offsets, drift, c10::nullopt, scores, scaffold, counters, mismatch, only, compress,
-             sink_blocks, local_blocks, n_wit, block_size, structural_cap, sink_tokens, scale, grain);
-}
-
 bool is_index(const at::Tensor& t) { return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong; }
 
 void check_vector(const char* name, const at::Tensor& t, int64_t R) {
@@ -482,16 +471,18 @@ void check_vector(const char* name, const at::Tensor& t, int64_t R) {
                     ",) on cpu, got ", t.sizes(), " on ", t.device());
 }
 
-// One policy call from Python (a layer's call, or run_layout's): the metadata checks here,
-// in C++; drift [B, N] read through row_to_request [R] (every entry checked in [0, B)
-// before any row runs); learned scores read as fp32; out and counters the caller's
-// (counters accumulate) or allocated here. Returns (out, counters).
+// The one entry from Python (cpu_fused.py: a layer's call, run_layout's, the kernel
+// wrapper's): the metadata checks here, in C++; drift [B, N] read through row_to_request
+// [R] (every entry checked in [0, B) before any row runs), or [R, N] without it; learned
+// scores read as fp32; out and counters the caller's (counters accumulate) or allocated
+// here; mismatch_rows [R] bool, when given, set to the broken-row flags. Returns (out, counters).
 std::vector<at::Tensor> run_layer(const at::Tensor& x, const at::Tensor& lengths,
                                   const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& drift_in,
                                   const c10::optional<at::Tensor>& row_to_request,
                                   const c10::optional<at::Tensor>& scaffold,
                                   const c10::optional<at::Tensor>& scores_in, const c10::optional<at::Tensor>& out_in,
-                                  const c10::optional<at::Tensor>& counters_in, bool only, bool compress,
+                                  const c10::optional<at::Tensor>& counters_in,
+                                  const c10::optional<at::Tensor>& mismatch, bool only, bool compress,
                                   int64_t sink_blocks, int64_t local_blocks, int64_t n_wit, int64_t block_size,
                                   int64_t structural_cap, int64_t sink_tokens, bool scale, int64_t grain) {
   TORCH_CHECK_TYPE(is_index(x) && x.dim() == 2, "topk_indices: expected an int32/int64 tensor [R, W], got ",
@@ -552,8 +543,14 @@ std::vector<at::Tensor> run_layer(const at::Tensor& x, const at::Tensor& lengths
   } else {
     counters = at::zeros({kCounters}, x.options().dtype(at::kLong));
   }
+  if (mismatch.has_value()) {
+    const at::Tensor& m = *mismatch;
+    TORCH_CHECK_VALUE(m.scalar_type() == at::kBool && m.dim() == 1 && m.size(0) == R && m.device().is_cpu(),
+                      "mismatch_rows: expected bool [", R, "] on cpu, got ", m.scalar_type(), " ", m.sizes(), " on ",
+                      m.device());
+  }
   run_params(x, out, lengths, offsets, drift, r2r, scores, comp ? scaffold : c10::nullopt, counters,
-             c10::nullopt, only, comp, sink_blocks, local_blocks, n_wit, block_size, structural_cap, sink_tokens,
+             mismatch, only, comp, sink_blocks, local_blocks, n_wit, block_size, structural_cap, sink_tokens,
              scale, grain);
   return {out, counters};
 }
@@ -561,6 +558,5 @@ std::vector<at::Tensor> run_layer(const at::Tensor& x, const at::Tensor& lengths
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("run", &run, "topology KV policy, one fused pass per row (see cpu_fused.py)");
-  m.def("run_layer", &run_layer, "the per-layer call: checks in C++, drift rows via row_to_request (see cpu_fused.py)");
+  m.def("run_layer", &run_layer, "one policy call: checks in C++, drift rows via row_to_request (see cpu_fused.py)");
 }

@@ -23,7 +23,8 @@ The kernel (``cpu_fused.cpp``) is compiled on first use and cached on disk
 (:class:`~.cpp_extension.CppKernel`). :func:`can_use_cpu_kernel` never raises; a failed
 build is remembered and reported when the kernel is called anyway.
 
-Nothing is read on the host: the wrapper only checks metadata (shapes, dtypes, devices).
+Nothing is read on the host: the one C++ entry (:func:`run_layer`; :func:`topology_kv_policy_cpu`
+is a call of it) checks metadata only (shapes, dtypes, devices) before any row runs.
 ``out`` may be ``topk_indices`` itself (each row is read before it is written), but must not
 otherwise overlap the inputs. ``TOPOLOGY_ONLY``'s learned kept / evicted / structural
 injected counters are counted in the row pass, as the core counts them.
@@ -41,7 +42,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import (  # noq
     COUNTER_NAMES,
     PolicyLayout,
     PolicyTensors,
-    check_kernel_buffers,
+    check_kernel_buffers,  # noqa: F401 (the buffer contract the C++ checks follow)
 )
 
 _GRAIN_ENTRIES = 32768  # at least this many row entries per thread
@@ -77,30 +78,16 @@ def topology_kv_policy_cpu(
 
     ``inputs`` and ``layout`` as in :func:`topology_kv_policy_core`; the buffers and the
     result ``(out, counters)`` as :func:`check_kernel_buffers` documents them. Rows run in
-    parallel (``at::parallel_for``, torch's thread count).
+    parallel (``at::parallel_for``, torch's thread count). The call is :func:`run_layer`
+    (drift per row): the metadata checks run in C++, with the same argument names.
     """
-    x = inputs.topk_indices
-    if isinstance(x, torch.Tensor) and x.device.type != "cpu":
-        raise ValueError(f"topk_indices: expected a CPU tensor, got {x.device}")
-    out, counters = check_kernel_buffers(layout, inputs, out, counters, mismatch_rows)
-    R, W = x.shape
-    if R == 0:
-        return out, counters
-    _, lengths, offsets, drift, scores, scaffold = inputs
-    compress = layout.compress_mode and scaffold is not None
-    # Scores are read as fp32, as the core reads them (schedule.witness_blocks_unchecked, score_sort_keys).
-    if drift is not None and drift.dtype != torch.float32:
-        drift = drift.to(torch.float32)
-    scores = None if layout.only else scores
-    if scores is not None and scores.dtype != torch.float32:
-        scores = scores.to(torch.float32)
-    _KERNEL.load().run(
-        x, out, lengths, offsets, drift, scores, scaffold if compress else None, counters, mismatch_rows,
-        layout.only, compress, layout.sink_blocks, layout.local_blocks, layout.witness_count(W),
-        layout.block_size, layout.structural_cap(W), -1 if layout.sink_tokens is None else layout.sink_tokens,
-        layout.scale_budget_by_length, max(1, _GRAIN_ENTRIES // max(W, 1)),
-    )
-    return out, counters
+    if not isinstance(layout, PolicyLayout):
+        raise TypeError(f"layout: expected PolicyLayout, got {type(layout).__name__}")
+    x, lengths, offsets, drift, scores, scaffold = inputs
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"topk_indices: expected an int32/int64 tensor [R, W], got {type(x).__name__}")
+    return run_layer(x, lengths, offsets, drift, None, scaffold, layer_args(layout, x.shape[1] if x.dim() == 2 else 0),
+                     learned_scores=scores, out=out, counters=counters, mismatch_rows=mismatch_rows)
 
 
 @functools.lru_cache(maxsize=512)
@@ -125,12 +112,13 @@ def run_layer(
     learned_scores: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     counters: Optional[torch.Tensor] = None,
+    mismatch_rows: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One policy call in one C++ entry: ``(out, counters)`` as :func:`topology_kv_policy_cpu`
-    returns them for :func:`~rtp_llm.models_py.modules.hybrid.topology_kv.policy.run_layout`'s
-    inputs (``drift`` ``[B, N]`` read through ``row_to_request``, or ``[R, N]`` without it),
-    ``args`` from :func:`layer_args` for the rows' width; ``out`` / ``counters`` as
-    :func:`check_kernel_buffers` documents them (None: allocated).
+    """One policy call in the kernel's one C++ entry: ``(out, counters)`` for
+    :func:`~rtp_llm.models_py.modules.hybrid.topology_kv.policy.run_layout`'s inputs
+    (``drift`` ``[B, N]`` read through ``row_to_request``, or ``[R, N]`` without it),
+    ``args`` from :func:`layer_args` for the rows' width; ``out`` / ``counters`` /
+    ``mismatch_rows`` as :func:`check_kernel_buffers` documents them (None: allocated / not written).
 
     The metadata checks run in C++ (``TypeError`` / ``ValueError`` naming the argument, as
     the Python checks do) and an out-of-range ``row_to_request`` entry is a ``ValueError``
@@ -138,4 +126,4 @@ def run_layer(
     must not otherwise overlap the inputs (not checked here).
     """
     return tuple(_KERNEL.load().run_layer(topk_indices, lengths, offsets, drift, row_to_request, scaffold_lengths,
-                                          learned_scores, out, counters, *args))
+                                          learned_scores, out, counters, mismatch_rows, *args))

@@ -84,3 +84,47 @@ def test_engine_shapes_in_parallel(mode, scored, threads):
                     **_kw(mode, W, block_size=64, sink_tokens=4, local_blocks=2, witness_blocks=2, frac=0.25))
     finally:
         torch.set_num_threads(old)
+
+
+_X, _L = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (dict(lengths=_L.float()), TypeError, r"^lengths: expected an int32/int64 tensor, got Float$"),
+        (dict(lengths=torch.tensor([2, 2])), ValueError, r"^lengths: expected shape \(1,\) on cpu, got \[2\] on cpu$"),
+        (dict(offsets=torch.zeros(2, dtype=torch.int64)), ValueError, r"^offsets: expected shape \(1,\) on cpu"),
+        (dict(drift=torch.ones(2, 3)), ValueError, r"^drift: expected a float tensor \[1, N\] on cpu, got \[2, 3\]$"),
+        (dict(drift=torch.ones(1, 3, dtype=torch.int32)), ValueError, r"^drift: expected a float tensor \[B, N\]"),
+        (dict(scores=torch.rand(1, 3)), ValueError,
+         r"^learned_scores: expected a float tensor \[1, 2\] on cpu, got Float \[1, 3\] on cpu$"),
+        (dict(out=torch.empty(1, 2, dtype=torch.int64)), ValueError,
+         r"^out: expected Int \[1, 2\] on cpu, got Long \[1, 2\] on cpu$"),
+        (dict(counters=torch.zeros(3, dtype=torch.int64)), ValueError,
+         r"^counters: expected int64 \[8\] on cpu, got Long \[3\] on cpu$"),
+        (dict(mismatch_rows=torch.zeros(1, dtype=torch.int32)), ValueError,
+         r"^mismatch_rows: expected bool \[1\] on cpu, got Int \[1\] on cpu$"),
+        (dict(mismatch_rows=torch.zeros(2, dtype=torch.bool)), ValueError,
+         r"^mismatch_rows: expected bool \[1\] on cpu, got Bool \[2\] on cpu$"),
+    ],
+)
+def test_the_one_entry_names_the_argument(change, error, message):
+    """The kernel's metadata checks run in its one C++ entry (the wrapper is a call of it):
+    each names the argument, expected and actual, before anything is written."""
+    args = dict(lengths=_L, offsets=None, drift=None, scores=None, scaffold=None)
+    bufs = dict(out=torch.full((1, 2), 7, dtype=torch.int32), counters=None, mismatch_rows=None)
+    for key, value in change.items():
+        (args if key in args else bufs)[key] = value
+    before = bufs["out"].clone()
+    with pytest.raises(error, match=message):
+        KERNEL(_X, args["lengths"], args["offsets"], args["drift"], args["scores"], args["scaffold"], **bufs,
+               **_kw(ENABLED_MODES[0], 2))
+    assert torch.equal(bufs["out"], before)
+
+
+def test_mismatch_rows_flags_the_broken_rows():
+    x = _t([[0, 1], [5, 1], [1, 1]])  # row 1: outside its interval; row 2: a duplicate
+    flags = torch.zeros(3, dtype=torch.bool)
+    KERNEL(x, _t([2, 2, 2]), None, None, None, None, mismatch_rows=flags, **_kw(ENABLED_MODES[0], 2))
+    assert flags.tolist() == [False, True, True]

@@ -71,12 +71,13 @@ def test_build_rejects_a_merge_mode_that_cannot_inject():
     lengths=st.lists(st.integers(1, 200), min_size=1, max_size=4),
     width=st.integers(1, 40),
     use_drift=st.booleans(),
+    use_scores=st.booleans(),
     requests=st.integers(1, 3),
     index_dtype=st.sampled_from([torch.int32, torch.int64]),
     seed=st.integers(0, 2**16),
 )
-def test_layer_rows_and_counters_equal_the_public_entry(mode, backend, lengths, width, use_drift, requests,
-                                                        index_dtype, seed):
+def test_layer_rows_and_counters_equal_the_public_entry(mode, backend, lengths, width, use_drift, use_scores,
+                                                        requests, index_dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     R = len(lengths)
     rows = torch.full((R, width), -1, dtype=index_dtype)
@@ -88,10 +89,13 @@ def test_layer_rows_and_counters_equal_the_public_entry(mode, backend, lengths, 
     drift = (torch.rand(requests, -(-max(lengths) // 8), generator=gen).to(
         torch.float16 if seed % 3 == 0 else torch.float32).to(DEVICE) if use_drift else None)
     r2r = torch.randint(0, requests, (R,), generator=gen).to(index_dtype).to(DEVICE)
+    # Learned scores with ties (a coarse grid), so the eviction's tie rule is exercised too.
+    scores = (torch.randint(0, 4, (R, width), generator=gen).float() / 4).to(DEVICE) if use_scores else None
     settings_ = _settings(mode, backend, max_structural_fraction=1.0)
     layer = TopologyKVLayerPolicy.build(settings_, layer_idx=0, width=width, device=DEVICE)
-    got = layer.run(rows, L, None, drift, r2r)
-    want = apply_topology_kv_policy(rows, L, config=settings_.policy, block_drift_scores=drift, row_to_request=r2r)
+    got = layer.run(rows, L, None, drift, r2r, learned_scores=scores)
+    want = apply_topology_kv_policy(rows, L, config=settings_.policy, block_drift_scores=drift, row_to_request=r2r,
+                                    learned_scores=scores)
     assert torch.equal(got.indices, want.indices)
     assert got.counters.to_dict() == want.counters.to_dict()
 
