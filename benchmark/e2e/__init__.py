@@ -2,14 +2,16 @@
 
 A real GGUF decoder (SmolLM2-135M-Instruct by default) prefills one window of Austen
 prose densely (in chunks), then decodes a batch of ``B`` requests of different context
-lengths per variant over a paged KV pool, every variant from the same prefilled state.
-The command line is ``benchmark/topology_kv_decode_e2e.py``.
+lengths per variant over a paged KV pool, every variant from the same prefilled state,
+on the CPU or a CUDA device (``--device``). The command line is
+``benchmark/topology_kv_decode_e2e.py``.
 
 Modules, one concern each (imports run downwards):
 
+    clock      the phase timers' clock: perf_counter, synchronized on CUDA
     layout     the paged pools and block tables: shared prefill blocks, private blocks per variant
     indexers   the proxy indexer and its presets (dsa-ratio, model); the variants' ``Indexer``
-    memory     a step's transient peak host memory
+    memory     a step's transient peak memory (host, or the CUDA allocator's)
     attention  the registered attention hook and its per-forward ``StepPlan``
     report     the targets, markdown tables, the step-vs-batch plot, merged runs
     decode     prefill, the batch's layout for every variant, interleaved decode steps

@@ -5,7 +5,9 @@ copy of the KV); an indexer variant writes the proxy keys (``Indexer.write_keys`
 ``Indexer._compute_topk`` over the block table, then attends over the selected rows. The
 hook's inputs for one forward are a :class:`StepPlan`, passed as a model keyword; its
 timers split the step into indexer / policy / attention (the rest of the model is the
-step's total minus these).
+step's total minus these), read on the plan's clock (:mod:`benchmark.e2e.clock`:
+synchronized at every phase boundary on CUDA). Every tensor made here is made on the
+device of the tensors it is made for.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from benchmark.e2e.clock import Clock
 from benchmark.e2e.layout import LayerPools, VariantState, rows_to_slots
 from rtp_llm.models_py.modules.hybrid.indexer import TopologyStepCounters
 from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerAttentionInputs, IndexerFmhaParams
@@ -55,6 +58,7 @@ class StepPlan:
     # benchmark.quality.sparse_attention.install_hidden_capture puts on the model
     layer_hidden: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     timers: Dict[str, float] = dataclasses.field(default_factory=lambda: {p: 0.0 for p in PARTS})
+    clock: Clock = time.perf_counter  # the timers' clock: the layout's (its device's phase clock)
     attended: List[torch.Tensor] = dataclasses.field(default_factory=list)  # tokens attended, per layer
     sparse_attended: List[torch.Tensor] = dataclasses.field(default_factory=list)  # sparse layers only
 
@@ -64,12 +68,13 @@ def dense_mask(shared_lens: torch.Tensor, row_lengths: torch.Tensor, P: int, Tc:
     """bool ``[B, 1, T, P + Tc]``: shared column ``p`` is position ``p`` (valid below
     ``shared_lens[b]``), tail column ``j`` is position ``shared_lens[b] + j``; a row sees
     positions below its causal length (and, with a window, the last ``window`` of them)."""
+    dev = shared_lens.device
     pos = torch.cat([
-        torch.arange(P).unsqueeze(0).expand(shared_lens.shape[0], P),
-        shared_lens.unsqueeze(1) + torch.arange(Tc).unsqueeze(0),
+        torch.arange(P, device=dev).unsqueeze(0).expand(shared_lens.shape[0], P),
+        shared_lens.unsqueeze(1) + torch.arange(Tc, device=dev).unsqueeze(0),
     ], dim=1)  # [B, P + Tc]
-    in_shared = torch.cat([torch.arange(P).unsqueeze(0) < shared_lens.unsqueeze(1),
-                           torch.ones(shared_lens.shape[0], Tc, dtype=torch.bool)], dim=1)
+    in_shared = torch.cat([torch.arange(P, device=dev).unsqueeze(0) < shared_lens.unsqueeze(1),
+                           torch.ones(shared_lens.shape[0], Tc, dtype=torch.bool, device=dev)], dim=1)
     ok = in_shared.unsqueeze(1) & (pos.unsqueeze(1) < row_lengths.unsqueeze(2))  # [B, T, P + Tc]
     if window is not None:
         ok &= pos.unsqueeze(1) >= row_lengths.unsqueeze(2) - window
@@ -90,7 +95,7 @@ def dense_decode_attention(q: torch.Tensor, shared_k, shared_v, tail_k, tail_v, 
     G = H // Hkv
     P = shared_k.shape[1]
     qh = (q * scale).view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
-    out = torch.empty(B, Hkv, G, T, D, dtype=q.dtype)
+    out = torch.empty(B, Hkv, G, T, D, dtype=q.dtype, device=q.device)
     for k in range(Hkv):
         qk = qh[:, k].reshape(B, G * T, D)
         logits = torch.cat([torch.matmul(qk, shared_k[:, :, k].transpose(1, 2)),
@@ -113,7 +118,7 @@ def sparse_decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch
     safe = slots.clamp(min=0)  # static shape: -1 entries read slot 0 and are masked out
     k_sel, v_sel = k_flat[safe], v_flat[safe]  # [R, W, Hkv, D] (the gather is inherent)
     qs = q * scale
-    out = torch.empty(R, H, D, dtype=q.dtype)
+    out = torch.empty(R, H, D, dtype=q.dtype, device=q.device)
     neg = ~valid.unsqueeze(1)
     for k in range(Hkv):
         logits = torch.matmul(qs[:, k * G : (k + 1) * G], k_sel[:, :, k].transpose(1, 2))  # [R, G, W]
@@ -134,8 +139,8 @@ def _prefill_attention(plan: StepPlan, layer: int, query, key, value, scale, win
         plan.prefill_h[layer][start:length] = hidden[0].to(torch.float32)
     k_all = plan.prefill_k[layer][:length].transpose(0, 1)  # [Hkv, L, D]
     v_all = plan.prefill_v[layer][:length].transpose(0, 1)
-    pos_q = torch.arange(start, length).unsqueeze(1)
-    pos_k = torch.arange(length).unsqueeze(0)
+    pos_q = torch.arange(start, length, device=query.device).unsqueeze(1)
+    pos_k = torch.arange(length, device=query.device).unsqueeze(0)
     allowed = pos_k <= pos_q
     if window is not None:
         allowed &= pos_k > pos_q - window
@@ -154,18 +159,19 @@ def _decode_attention(plan: StepPlan, layer: int, query, key, value, scale, wind
     k_new = key.transpose(1, 2).reshape(R, Hkv, D).to(torch.float32)
     v_new = value.transpose(1, 2).reshape(R, Hkv, D).to(torch.float32)
     indexer = st.indexers.get(layer)
+    clock = plan.clock
     if indexer is None or window is not None:  # dense (sliding-window layers stay dense in their window)
-        t0 = time.perf_counter()
+        t0 = clock()
         pools.flat(pools.k)[plan.slots] = k_new
         pools.flat(pools.v)[plan.slots] = v_new
         mask = plan.dense_mask if window is None else dense_mask(
             plan.shared_lens, plan.row_lengths, pools.layout.shared_tokens, pools.layout.tail_tokens, window)
         out = dense_decode_attention(q, pools.shared(pools.k), pools.shared(pools.v), pools.tail(pools.k, st.index),
                                      pools.tail(pools.v, st.index), mask, scale)
-        plan.timers["attention"] += time.perf_counter() - t0
+        plan.timers["attention"] += clock() - t0
         plan.attended.append(mask.sum())
         return out
-    t0 = time.perf_counter()
+    t0 = clock()
     q_rows = q.reshape(R, H, D)
     tracker = st.trackers[layer] if indexer.reads_drift else None
     hidden = plan.layer_hidden.pop(layer, None)
@@ -177,22 +183,22 @@ def _decode_attention(plan: StepPlan, layer: int, query, key, value, scale, wind
     if indexer.scan or tracker is not None:  # no scan and no drift (recency): no indexer key is read
         indexer.write_keys(index_keys, pools.index_cache, plan.slots, drift_tracker=tracker,
                            positions=plan.positions, request_ids=plan.request_ids)
-    t1 = time.perf_counter()
+    t1 = clock()
     rows = indexer._compute_topk(q_index, weights, pools.index_cache, plan.fmha, plan.attn, None,
                                  drift_tracker=tracker, topology_counters=plan.counters)
-    t2 = time.perf_counter()
+    t2 = clock()
     scan_s = (t1 - t0) + indexer.last_op_s
     if indexer.scan:
         plan.timers["indexer"] += scan_s
         plan.timers["policy"] += (t2 - t1) - indexer.last_op_s
     else:  # no scan: the key write only feeds the drift the policy reads
         plan.timers["policy"] += t2 - t0
-    t0 = time.perf_counter()
+    t0 = clock()
     pools.flat(pools.k)[plan.slots] = k_new
     pools.flat(pools.v)[plan.slots] = v_new
     slots = rows_to_slots(rows, st.block_table, plan.request_ids)
     out, attended = sparse_decode_attention(q_rows, pools.flat(pools.k), pools.flat(pools.v), slots, scale)
-    plan.timers["attention"] += time.perf_counter() - t0
+    plan.timers["attention"] += clock() - t0
     plan.attended.append(attended.sum())
     plan.sparse_attended.append(plan.attended[-1])
     return out.view(B, T, H, D)

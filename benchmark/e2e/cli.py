@@ -15,7 +15,11 @@ mode (``learned+topology_sparse_merge``, ``learned+topology_compress_sparse``) w
 of ``learned`` step time at batch 1 and 8 (every context run), and its policy column at
 most 3% of its step at context 8192, batch 1.
 
+``--device cuda`` runs the model, the pools and every step on the GPU; the phase split is
+then sync-bounded (``benchmark/e2e/clock.py``) and the peak memory is the CUDA allocator's.
+
     python benchmark/topology_kv_decode_e2e.py --contexts 2048 --batches 1 8 --new-tokens 8 --json a.json
+    python benchmark/topology_kv_decode_e2e.py --device cuda --contexts 8192 --batches 1 8 --json gpu.json
     python benchmark/topology_kv_decode_e2e.py --merge a.json b.json --out report/e2e
     bazel run //benchmark:topology_kv_decode_e2e -- --quick
 """
@@ -27,6 +31,7 @@ import json
 import sys
 from typing import List, Optional
 
+import torch
 
 from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, check_output_file, given_flags, shown
 from benchmark.quality.text import NOVELS
@@ -66,7 +71,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=None, help="keep only the first layers (smoke runs)")
     p.add_argument("--novel", default="prideprejudice", help="Austen novel the prompt comes from")
     p.add_argument("--data-dir", default=None, help="cache folder for the text (default <repo>/data)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the model, the KV pools and every step run (default cpu)")
+    p.add_argument("--threads", type=int, default=None, help="torch's CPU threads (default: torch's)")
     p.add_argument("--quick", action="store_true",
                    help="tiny run: context 512, batches 1 and 4, 4 tokens, 4 layers, budget 256")
     p.add_argument("--json", default=None, help="write rows and environment here")
@@ -107,11 +114,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def check_flags_before_load(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Counts, names, the model file and the output paths, before the model load (exit 2)."""
+    """Counts, names, the device, the model file and the output paths, before the model load (exit 2)."""
     for flag in ("indexer_heads", "indexer_dim", "threads", "num_layers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')}: expected >= 1, got {value}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device: expected a device torch can use, got cuda while torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use --device cpu")
     if args.novel not in NOVELS:
         p.error(f"--novel: expected one of {list(NOVELS)}, got {shown(args.novel)}")
     from benchmark.quality.paths import user_path

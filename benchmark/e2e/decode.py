@@ -7,20 +7,25 @@ from dense's is where free-running greedy would diverge); or ``next_n + 1`` rows
 request per step (speculative verification: ``IndexerAttentionInputs(is_target_verify=True,
 decode_cu_seqlens_device=...)``), the rows verifying the text's own continuation (an
 oracle drafter), every variant on the same rows. Variants decode interleaved, one step of
-each in turn, so a shared, noisy machine slows them alike.
+each in turn (dense first, the others in an order rotated per step), so a shared, noisy
+machine slows them alike and no variant's position in the round biases its times.
+
+Everything runs on the model's device (the runner moves the model to ``--device``): the
+prefill's buffers, the layout's pools and tables, each step's inputs. The step's total is
+read on the layout's phase clock (:mod:`benchmark.e2e.clock`), like its parts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from benchmark.e2e.attention import PARTS, PLAN_KWARG, StepPlan, dense_mask
+from benchmark.e2e.clock import phase_clock
 from benchmark.e2e.indexers import IndexerShape, ProxyIndexer, TrainedIndexerInputs, make_indexer
-from benchmark.e2e.layout import DEVICE, LayerPools, Layout, VariantState, slots_of
+from benchmark.e2e.layout import LayerPools, Layout, VariantState, slots_of
 from benchmark.e2e.memory import measure_step_memory, tensor_bytes
 from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY, step_totals
 from rtp_llm.models_py.modules.hybrid.indexer import TopologyStepCounters
@@ -48,7 +53,7 @@ def kv_geometry(model):
 
 @torch.no_grad()
 def prefill_text(model, tokens: Sequence[int], want: Sequence[int], chunk: int = PREFILL_CHUNK):
-    """Dense causal prefill of one text in chunks of ``chunk`` tokens.
+    """Dense causal prefill of one text in chunks of ``chunk`` tokens, on the model's device.
 
     Returns ``(K, V, logits, seconds, X)``: per layer fp32 ``[C, Hkv, D]`` keys and values,
     ``logits [len(want), vocab]`` at positions ``want`` (the lm_head runs only there), and
@@ -57,24 +62,26 @@ def prefill_text(model, tokens: Sequence[int], want: Sequence[int], chunk: int =
     H, Hkv, D = kv_geometry(model)
     C = len(tokens)
     layers = attention_layers(model)
+    dev = model.device
     plan = StepPlan("prefill", pools={},
-                    prefill_k={i: torch.empty(C, Hkv, D) for i in layers},
-                    prefill_v={i: torch.empty(C, Hkv, D) for i in layers},
-                    prefill_h={i: torch.zeros(C, model.config.hidden_size) for i in layers})
-    ids = torch.tensor([list(tokens)])
-    want_t = torch.tensor(list(want), dtype=torch.int64)
-    logits = torch.empty(len(want), model.config.vocab_size)
-    t0 = time.perf_counter()
+                    prefill_k={i: torch.empty(C, Hkv, D, device=dev) for i in layers},
+                    prefill_v={i: torch.empty(C, Hkv, D, device=dev) for i in layers},
+                    prefill_h={i: torch.zeros(C, model.config.hidden_size, device=dev) for i in layers})
+    ids = torch.tensor([list(tokens)], device=dev)
+    want_t = torch.tensor(list(want), dtype=torch.int64, device=dev)
+    logits = torch.empty(len(want), model.config.vocab_size, device=dev)
+    clock = phase_clock(dev)
+    t0 = clock()
     for start in range(0, C, chunk):
         end = min(C, start + chunk)
         plan.position = start
         sel = ((want_t >= start) & (want_t < end)).nonzero().flatten()
         keep = (want_t[sel] - start) if sel.numel() else 1
-        out = model(input_ids=ids[:, start:end], position_ids=torch.arange(start, end).unsqueeze(0),
+        out = model(input_ids=ids[:, start:end], position_ids=torch.arange(start, end, device=dev).unsqueeze(0),
                     use_cache=False, logits_to_keep=keep, **{PLAN_KWARG: plan})
         if sel.numel():
             logits[sel] = out.logits[0].to(torch.float32)
-    return plan.prefill_k, plan.prefill_v, logits, time.perf_counter() - t0, plan.prefill_h
+    return plan.prefill_k, plan.prefill_v, logits, clock() - t0, plan.prefill_h
 
 
 @dataclasses.dataclass
@@ -96,7 +103,8 @@ class BatchRun:
 @torch.no_grad()
 def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variants: Sequence[str], steps: int,
                 next_n: int, width: int, shape: IndexerShape, prefilled=None, trained=None) -> BatchRun:
-    """Prefill ``text`` once and lay out ``B`` requests (prefixes of it) for every variant.
+    """Prefill ``text`` once and lay out ``B`` requests (prefixes of it) for every variant,
+    on the model's device (the layout's ``device``).
 
     ``prefilled``: a :func:`prefill_text` result for ``text[:max(context_lens)]`` whose
     logits positions include every ``c_b - 1`` (reused across batch sizes; not modified).
@@ -106,7 +114,8 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
     H, Hkv, D = kv_geometry(model)
     C = max(context_lens)
     T = next_n + 1
-    layout = Layout(list(context_lens), len(variants), T, steps)
+    dev = model.device
+    layout = Layout(list(context_lens), len(variants), T, steps, device=dev)
     want = [c - 1 for c in context_lens]
     if prefilled is None:
         prefilled = (*prefill_text(model, text[:C], want), want)
@@ -117,19 +126,20 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
     states = {name: VariantState(name, v, layout.block_table(v), {}, {}, list(context_lens))
               for v, name in enumerate(variants)}
     pools: Dict[int, LayerPools] = {}
-    req = torch.cat([torch.full((c,), b, dtype=torch.int64) for b, c in enumerate(context_lens)])
-    pos = torch.cat([torch.arange(c, dtype=torch.int64) for c in context_lens])
-    in_shared = pos < torch.tensor(layout.shared_lens, dtype=torch.int64)[req]
+    req = torch.cat([torch.full((c,), b, dtype=torch.int64, device=dev) for b, c in enumerate(context_lens)])
+    pos = torch.cat([torch.arange(c, dtype=torch.int64, device=dev) for c in context_lens])
+    in_shared = pos < torch.tensor(layout.shared_lens, dtype=torch.int64, device=dev)[req]
     own_req, own_pos = req[~in_shared], pos[~in_shared]  # each variant's private partial blocks
     for layer in attention_layers(model):
         if trained is not None:
             proxy = TrainedIndexerInputs(trained[layer])
-            index_keys = proxy.prefill_keys(X[layer], torch.arange(C))  # [C, Di]
+            index_keys = proxy.prefill_keys(X[layer], torch.arange(C, device=dev))  # [C, Di]
         else:
             proxy = ProxyIndexer(shape, H, Hkv, D, K[layer] if shape.dim < Hkv * D else None)
             index_keys = proxy.keys(K[layer])  # [C, Di]
-        pool = LayerPools(torch.zeros(layout.num_blocks, pg, Hkv, D), torch.zeros(layout.num_blocks, pg, Hkv, D),
-                          IndexerKeyCache(torch.zeros(layout.num_blocks, pg, shape.dim)), proxy, layout)
+        pool = LayerPools(torch.zeros(layout.num_blocks, pg, Hkv, D, device=dev),
+                          torch.zeros(layout.num_blocks, pg, Hkv, D, device=dev),
+                          IndexerKeyCache(torch.zeros(layout.num_blocks, pg, shape.dim, device=dev)), proxy, layout)
         table0 = states[variants[0]].block_table  # the shared blocks are the same in every table
         shared_slots = slots_of(table0, req[in_shared], pos[in_shared], pg)
         pool.flat(pool.k)[shared_slots] = K[layer][pos[in_shared]]
@@ -139,14 +149,14 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
             slots = slots_of(st.block_table, own_req, own_pos, pg)
             pool.flat(pool.k)[slots] = K[layer][own_pos]
             pool.flat(pool.v)[slots] = V[layer][own_pos]
-            indexer = make_indexer(name, shape, width, layer, DEVICE,
+            indexer = make_indexer(name, shape, width, layer, dev,
                                    projections=None if trained is None else trained[layer])
             st.indexers[layer] = indexer
             st.trackers[layer] = None
             if indexer is None:
                 continue
             if base is None:  # the first indexer variant writes every key through write_keys, feeding drift
-                base = BlockDriftTracker(layout.batch, layout.max_blocks, shape.dim, block_size=pg)
+                base = BlockDriftTracker(layout.batch, layout.max_blocks, shape.dim, block_size=pg, device=dev)
                 indexer.write_keys(index_keys[pos], pool.index_cache, slots_of(st.block_table, req, pos, pg),
                                    drift_tracker=base, positions=pos, request_ids=req)
                 st.trackers[layer] = base
@@ -162,29 +172,31 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
 
 
 def step_inputs(run: BatchRun, st: VariantState, tokens: torch.Tensor) -> Tuple[StepPlan, torch.Tensor, torch.Tensor]:
-    """The step's plan (the engine's per-step planning, once for all layers), ids, positions."""
+    """The step's plan (the engine's per-step planning, once for all layers), ids, positions;
+    on the layout's device, timed on its clock."""
     L = run.layout
+    dev = L.device
     B, T = tokens.shape
-    lens = torch.tensor(st.lens, dtype=torch.int64)  # KV length before the step
-    positions = lens.unsqueeze(1) + torch.arange(T).unsqueeze(0)  # [B, T]
-    request_ids = torch.arange(B).repeat_interleave(T)
+    lens = torch.tensor(st.lens, dtype=torch.int64, device=dev)  # KV length before the step
+    positions = lens.unsqueeze(1) + torch.arange(T, device=dev).unsqueeze(0)  # [B, T]
+    request_ids = torch.arange(B, device=dev).repeat_interleave(T)
     flat_pos = positions.reshape(-1)
     slots = slots_of(st.block_table, request_ids, flat_pos, L.page)
     row_lengths = positions + 1
-    shared_lens = torch.tensor(L.shared_lens, dtype=torch.int64)
-    empty = torch.empty(0, dtype=torch.int32)
+    shared_lens = torch.tensor(L.shared_lens, dtype=torch.int64, device=dev)
+    empty = torch.empty(0, dtype=torch.int32, device=dev)
     fmha = IndexerFmhaParams(expanded_seq_lens=row_lengths.reshape(-1).to(torch.int32), topk_indices_offset=empty,
                              ks=empty, ke=empty, slot_mapping=slots)
     multi = T > 1
     attn = IndexerAttentionInputs(
         is_prefill=False, kv_cache_kernel_block_id_device=st.block_table,
-        decode_cu_seqlens_device=torch.arange(0, B * T + 1, T, dtype=torch.int32) if multi else None,
+        decode_cu_seqlens_device=torch.arange(0, B * T + 1, T, dtype=torch.int32, device=dev) if multi else None,
         is_target_verify=multi,
     )
     plan = StepPlan("decode", run.pools, st, slots=slots, positions=flat_pos, request_ids=request_ids,
                     row_lengths=row_lengths, shared_lens=shared_lens, fmha=fmha, attn=attn,
-                    weights=torch.full((B * T, run.shape.heads), 1.0 / run.shape.heads),
-                    counters=TopologyStepCounters())
+                    weights=torch.full((B * T, run.shape.heads), 1.0 / run.shape.heads, device=dev),
+                    counters=TopologyStepCounters(), clock=L.clock)
     if any(i is None for i in st.indexers.values()):
         plan.dense_mask = dense_mask(shared_lens, row_lengths, L.shared_tokens, L.tail_tokens)
     return plan, tokens, positions
@@ -194,15 +206,16 @@ def step_inputs(run: BatchRun, st: VariantState, tokens: torch.Tensor) -> Tuple[
 def decode_step(model, run: BatchRun, st: VariantState, tokens: torch.Tensor, measure_memory: bool = False):
     """One step of variant ``st`` on ``tokens [B, T]``: (log-probs ``[B, T, vocab]``, step record)."""
     plan, ids, positions = step_inputs(run, st, tokens)
+    clock = plan.clock
 
     def forward():
-        t0 = time.perf_counter()
+        t0 = clock()
         out = model(input_ids=ids, position_ids=positions, use_cache=False, **{PLAN_KWARG: plan})
         logp = torch.log_softmax(out.logits.to(torch.float32), dim=-1)
-        return logp, time.perf_counter() - t0
+        return logp, clock() - t0
 
     if measure_memory:
-        (logp, total), mem = measure_step_memory(forward)
+        (logp, total), mem = measure_step_memory(forward, run.layout.device)
     else:
         (logp, total), mem = forward(), None
     timers = dict(plan.timers)
@@ -212,8 +225,8 @@ def decode_step(model, run: BatchRun, st: VariantState, tokens: torch.Tensor, me
     n_scan = sum(1 for i in st.indexers.values() if i is not None and i.scan)
     n_dense = sum(1 for i in st.indexers.values() if i is None)
     step = {"total_s": total, **{f"{p}_s": timers[p] for p in PARTS},
-            "attended_tokens": int(sum(int(a) for a in plan.attended)),  # over rows and layers
-            "sparse_attended_tokens": int(sum(int(a) for a in plan.sparse_attended)),
+            "attended_tokens": _host_sum(plan.attended),  # over rows and layers
+            "sparse_attended_tokens": _host_sum(plan.sparse_attended),
             "dense_read_tokens": kv_after * n_dense,  # dense reads each request's KV once for its rows
             "scanned_keys": kv_after * n_scan,  # the indexer reads each request's keys once
             "step_peak_bytes": mem}
@@ -222,8 +235,23 @@ def decode_step(model, run: BatchRun, st: VariantState, tokens: torch.Tensor, me
     return logp, step
 
 
+def _host_sum(counts: List[torch.Tensor]) -> int:
+    """The sum of per-layer device counts, read to the host once (after the step)."""
+    return int(torch.stack(counts).sum()) if counts else 0
+
+
+def step_order(names: Sequence[str], step: int) -> List[str]:
+    """The variants' order in step ``step``: dense first (the others compare with its
+    distribution), the rest rotated by one place per step, so that no variant always runs
+    right after the same one (a fixed order biases the paired step times by position)."""
+    rest = list(names[1:])
+    k = step % len(rest) if rest else 0
+    return [names[0]] + rest[k:] + rest[:k]
+
+
 def decode_batch(model, run: BatchRun, steps: int, on_step=None, measure_memory_step: Optional[int] = 0):
-    """Decode every variant ``steps`` steps, interleaved, dense first in each step.
+    """Decode every variant ``steps`` steps, interleaved: dense first in each step, the rest in
+    :func:`step_order` (rotated per step).
 
     One row per request (``continuation`` None): every variant is fed dense's greedy
     token (teacher forcing), so its next-token distribution compares with dense's on the
@@ -236,16 +264,17 @@ def decode_batch(model, run: BatchRun, steps: int, on_step=None, measure_memory_
     names = list(run.states)
     assert names[0] == "dense", "dense decodes first in every step"
     out = {n: {"steps": [], "argmax": [], "top1": [], "kl": []} for n in names}
-    current = torch.tensor(run.first_tokens).unsqueeze(1)  # [B, 1]
-    text = torch.tensor(run.text)
+    dev = L.device
+    current = torch.tensor(run.first_tokens, device=dev).unsqueeze(1)  # [B, 1]
+    text = torch.tensor(run.text, device=dev)
     for i in range(steps):
         if T == 1:
             tokens = current
         else:
-            start = torch.tensor(run.states["dense"].lens).unsqueeze(1)
-            tokens = text[start + torch.arange(T).unsqueeze(0)]  # [B, T] the continuation
+            start = torch.tensor(run.states["dense"].lens, device=dev).unsqueeze(1)
+            tokens = text[start + torch.arange(T, device=dev).unsqueeze(0)]  # [B, T] the continuation
         dense_logp = None
-        for name in names:
+        for name in step_order(names, i):
             st = run.states[name]
             logp, step = decode_step(model, run, st, tokens, measure_memory=(i == measure_memory_step))
             flat = logp.reshape(B * T, -1)

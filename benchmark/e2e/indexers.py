@@ -19,11 +19,11 @@ Variants, one budget ``W`` (``--budget``):
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
 
+from benchmark.e2e.clock import phase_clock
 from benchmark.quality.proxy_indexers import (  # noqa: F401 (names the CLI and tests import from here)
     DSA_ATTENTION_MACS,
     DSA_INDEXER_MACS,
@@ -73,25 +73,27 @@ class TrainedIndexerInputs:
 
 
 class TimedIndexer(Indexer):
-    """The serving ``Indexer`` with its decode op timed (``last_op_s``), where the engine's
+    """The serving ``Indexer`` with its decode op timed (``last_op_s``, on the phase clock
+    of its ``device``: :func:`benchmark.e2e.clock.phase_clock`), where the engine's
     kernels slot in; ``scan=False`` replaces the op by one that reads no key: the
     engine's short-row convention (``0 .. length - 1`` when ``length <= W``) and ``-1``
     rows otherwise, for ``topology_only`` without an indexer."""
 
-    def __init__(self, *args, scan: bool = True, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, device: torch.device, scan: bool = True, **kwargs) -> None:
+        super().__init__(*args, device=device, **kwargs)
+        self.clock = phase_clock(device)
         self.scan = scan
         self.last_op_s = 0.0
 
     def _get_topk_paged(self, q, weights, kv_cache, fmha_params, attention_inputs):
-        t0 = time.perf_counter()
+        t0 = self.clock()
         if self.scan:
             out = super()._get_topk_paged(q, weights, kv_cache, fmha_params, attention_inputs)
         else:
             lengths = fmha_params.expanded_seq_lens.to(torch.int64).unsqueeze(1)
             ar = torch.arange(self.index_topk, device=q.device).unsqueeze(0)
             out = torch.where((ar < lengths) & (lengths <= self.index_topk), ar, -1).to(torch.int32)
-        self.last_op_s = time.perf_counter() - t0
+        self.last_op_s = self.clock() - t0
         return out
 
 
@@ -108,8 +110,9 @@ def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
                  device: torch.device, projections=None) -> Optional[TimedIndexer]:
     """The variant's ``Indexer`` for one layer (None for dense).
 
-    Built with ``device=``: the policy backend is resolved at construction, so the fused
-    CPU kernel compiles here, before timing starts, not inside the first timed step.
+    Built with ``device=`` (the run's): the policy backend is resolved at construction
+    (``auto``: the fused C++ kernel on the CPU, Triton on CUDA), so the CPU kernel compiles
+    here, before timing starts, not inside the first timed step.
     """
     if variant == "dense":
         return None

@@ -11,6 +11,10 @@ One pool per layer, 64-token pages, like the engine's paged cache:
 * each variant has its own block table ``[B, MB]`` int32 (``-1`` unused) and, per layer,
   its own ``BlockDriftTracker`` fed by ``Indexer.write_keys``.
 
+Every tensor of a run lives on :attr:`Layout.device`, the model's device (``--device``):
+the pools, block tables, trackers and each step's inputs. What stays on the host is
+Python metadata (lengths kept as lists).
+
 Request ``b`` of a batch holds the first ``c_b`` tokens of one prefilled text
 (``c_b = C - floor(b * C * spread / B)``; causal attention makes a prefix's K/V exactly
 what its own prefill would give).
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
+from benchmark.e2e.clock import phase_clock
 from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerKeyCache
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import DEFAULT_BLOCK_SIZE
 from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
@@ -31,8 +36,6 @@ if TYPE_CHECKING:  # annotations only
     from benchmark.e2e.indexers import ProxyIndexer, TimedIndexer
 
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # the engine's KV page
-# The pools, the model and every step tensor live on the host: the benchmark is CPU-only.
-DEVICE = torch.device("cpu")
 
 
 def request_lengths(context: int, batch: int, spread: float) -> List[int]:
@@ -49,6 +52,9 @@ class Layout:
     longest's). Private region of variant ``v``: request ``b``'s positions ``p_b ..`` are
     pool blocks ``B * SB + (v * B + b) * TB + j``. Both regions are contiguous per request,
     so dense attention reads them as strided views.
+
+    ``device``: where the run's tensors live (the model's device); :attr:`clock` is the
+    phase timers' clock there (:func:`benchmark.e2e.clock.phase_clock`).
     """
 
     context_lens: List[int]
@@ -56,8 +62,11 @@ class Layout:
     rows_per_step: int
     steps: int
     page: int = BLOCK_SIZE
+    device: torch.device = torch.device("cpu")
 
     def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        self.clock = phase_clock(self.device)
         pg = self.page
         self.batch = len(self.context_lens)
         self.shared_lens = [(c // pg) * pg for c in self.context_lens]
@@ -79,12 +88,14 @@ class Layout:
 
     def block_table(self, v: int) -> torch.Tensor:
         """int32 ``[B, MB]`` of variant ``v``, ``-1`` in unused columns."""
-        table = torch.full((self.batch, self.max_blocks), -1, dtype=torch.int32)
+        table = torch.full((self.batch, self.max_blocks), -1, dtype=torch.int32, device=self.device)
         for b, p in enumerate(self.shared_lens):
             n = p // self.page
-            table[b, :n] = torch.arange(b * self.shared_blocks, b * self.shared_blocks + n, dtype=torch.int32)
+            table[b, :n] = torch.arange(b * self.shared_blocks, b * self.shared_blocks + n, dtype=torch.int32,
+                                        device=self.device)
             first = self.tail_first_block(v, b)
-            table[b, n : n + self.tail_blocks] = torch.arange(first, first + self.tail_blocks, dtype=torch.int32)
+            table[b, n : n + self.tail_blocks] = torch.arange(first, first + self.tail_blocks, dtype=torch.int32,
+                                                              device=self.device)
         return table
 
 

@@ -1,9 +1,25 @@
-"""A decode step's transient peak host memory (Linux/glibc counters; None elsewhere)."""
+"""A decode step's transient peak memory on the run's device.
+
+CPU: the process's host memory (Linux/glibc counters; None elsewhere). CUDA: the caching
+allocator's device memory (``torch.cuda`` peak statistics).
+"""
 
 from __future__ import annotations
 
 import ctypes
 from typing import Optional
+
+import torch
+
+# What each device's counter measures (the rows' ``memory_counter`` field).
+HOST_COUNTER = "VmHWM - VmRSS around step 0 after malloc_trim, plus counted shared and own tensors"
+CUDA_COUNTER = ("torch.cuda.max_memory_allocated - memory_allocated around step 0 after reset_peak_memory_stats, "
+                "plus counted shared and own tensors")
+
+
+def memory_counter(device: torch.device) -> str:
+    """The description of :func:`measure_step_memory`'s counter on ``device``."""
+    return CUDA_COUNTER if torch.device(device).type == "cuda" else HOST_COUNTER
 
 
 def _libc():
@@ -24,14 +40,33 @@ def _proc_status(field: str) -> Optional[int]:
     return None
 
 
-def measure_step_memory(fn):
-    """Run ``fn()`` and return ``(result, transient peak bytes or None)``.
+def measure_step_memory(fn, device: torch.device):
+    """Run ``fn()`` and return ``(result, transient peak bytes or None)`` on ``device``.
 
-    The counter: free heap memory is handed back to the OS first (``malloc_trim``), the
-    process's resident high-water mark is reset (``/proc/self/clear_refs``), and the
-    step's transient peak is ``VmHWM`` after it minus ``VmRSS`` before it: every page the
-    step's temporaries touched above what was resident. None where Linux/glibc lack these.
+    CPU: free heap memory is handed back to the OS first (``malloc_trim``), the process's
+    resident high-water mark is reset (``/proc/self/clear_refs``), and the step's transient
+    peak is ``VmHWM`` after it minus ``VmRSS`` before it: every page the step's temporaries
+    touched above what was resident. None where Linux/glibc lack these.
+
+    CUDA: the allocator's peak is reset (``reset_peak_memory_stats``) and the transient
+    peak is ``max_memory_allocated`` after the step minus ``memory_allocated`` before it:
+    the most the step's tensors held above what was allocated (the allocator counts on the
+    host, at allocation time, so no synchronization is needed).
     """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _measure_cuda(fn, device)
+    return _measure_host(fn)
+
+
+def _measure_cuda(fn, device: torch.device):
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    result = fn()
+    return result, max(0, torch.cuda.max_memory_allocated(device) - before)
+
+
+def _measure_host(fn):
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)

@@ -10,6 +10,7 @@ tables of runs with different presets or ``--next-n`` concatenate unambiguously.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -52,7 +53,8 @@ def targets(rows: List[Row]) -> List[Row]:
 
     Each merge mode (:data:`MERGE_VARIANTS`) is compared with ``learned`` of the same
     indexer, budget, context and batch (so merged runs of several presets pair up right),
-    and its ``policy`` column with its own step at context 8192, batch 1.
+    by :func:`step_ratio` (the median of the per-step paired ratios), and its ``policy``
+    column with its own step at context 8192, batch 1.
     """
     single = [r for r in rows if r["rows_per_request"] == 1]
     out = []
@@ -71,7 +73,7 @@ def targets(rows: List[Row]) -> List[Row]:
                 base = learned.get(run_key(r) + (r["context"], batch))
                 if r["variant"] != variant or r["batch"] != batch or base is None:
                     continue
-                ratio = r["step_ms_median"] / base["step_ms_median"]
+                ratio = step_ratio(r, base)
                 out.append(_target(name, r["context"], batch, r.get("indexer_preset"), ratio,
                                    ratio <= COMPRESS_MAX_RATIO))
                 found = True
@@ -88,6 +90,17 @@ def targets(rows: List[Row]) -> List[Row]:
         if not found:
             out.append(_target(name, TARGET_CONTEXT, POLICY_SHARE_BATCH, None, None, None))
     return out
+
+
+def step_ratio(row: Row, base: Row) -> float:
+    """``row``'s step time relative to ``base``'s (same batch, decoded interleaved with it):
+    the median over steps of the paired ratio ``row_i / base_i`` (step ``i`` of both ran in
+    the same round, so a slow patch of the machine divides out), or, for rows without
+    per-step times (older JSON), the ratio of the medians."""
+    a, b = row.get("step_ms"), base.get("step_ms")
+    if a and b and len(a) == len(b):
+        return statistics.median(x / y for x, y in zip(a, b))
+    return row["step_ms_median"] / base["step_ms_median"]
 
 
 def format_targets(items: List[Row]) -> str:
@@ -214,7 +227,7 @@ def merge_runs(payloads: Sequence[Tuple[str, Row]]) -> Row:
 
 
 # Flags whose default a reconstructed command leaves out (the command line's defaults).
-OMITTED_DEFAULTS = {"next_n": 0, "length_spread": 1 / 16, "novel": "prideprejudice"}
+OMITTED_DEFAULTS = {"next_n": 0, "length_spread": 1 / 16, "novel": "prideprejudice", "device": "cpu"}
 
 
 def command_of(settings: Row) -> str:
@@ -227,7 +240,7 @@ def command_of(settings: Row) -> str:
     if variants is not None and list(variants) != list(VARIANTS):
         argv.append("--variants " + " ".join(variants))
     for key in ("next_n", "new_tokens", "warmup", "budget", "indexer_preset", "indexer_heads", "indexer_dim",
-                "num_layers", "length_spread", "model", "novel", "threads"):
+                "num_layers", "length_spread", "model", "novel", "device", "threads"):
         value = settings.get(key)
         if value is None or (key in OMITTED_DEFAULTS and value == OMITTED_DEFAULTS[key]):
             continue
@@ -239,6 +252,15 @@ def _heads_dims(heads, dim) -> str:
     return f"{heads} head{'s' if heads != 1 else ''} x {dim} dims"
 
 
+def machine_of(env: Row) -> str:
+    """Where a run ran, from its ``environment``: ``N threads on <host>`` on the CPU (and
+    for runs that predate ``device_type``), ``CUDA <GPU> (host <host>, N threads)`` on CUDA."""
+    threads, host = env.get("threads", "?"), env.get("device", "?")
+    if env.get("device_type") == "cuda":
+        return f"CUDA {env.get('cuda_device', '?')} (host {host}, {threads} threads)"
+    return f"{threads} threads on {host}"
+
+
 def format_merged(merged: Row, plot_name: Optional[str] = PLOT_NAME) -> str:
     """Markdown of merged runs: one line per run (command, proxy indexer, machine), the
     tables, the targets, the plot."""
@@ -247,8 +269,7 @@ def format_merged(merged: Row, plot_name: Optional[str] = PLOT_NAME) -> str:
         ind, env = run["indexer"], run.get("environment") or {}
         lines.append(f"- `{run['source']}`: `{command_of(run['settings'])}`; proxy indexer `{ind['preset']}` "
                      f"({_heads_dims(ind['heads'], ind['dim'])}, {ind['ratio_to_attention']:.3f} of attention's "
-                     f"multiply-adds per key); {env.get('threads', '?')} threads on {env.get('device', '?')}, "
-                     f"torch {env.get('torch', '?')}")
+                     f"multiply-adds per key); {machine_of(env)}, torch {env.get('torch', '?')}")
     lines += ["", format_table(merged["rows"]), "", "```", format_targets(merged["targets"]), "```"]
     if plot_name:
         lines += ["", f"![step time vs batch]({plot_name})"]

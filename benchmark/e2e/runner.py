@@ -7,6 +7,11 @@ the rest of the model; tokens/s (rows per second); KV bytes read per step (model
 agreement with dense (top-1 agreement rate over every row and step, mean KL(dense ||
 variant) of the next-token distribution); peak memory (see
 :func:`benchmark.e2e.memory.measure_step_memory`).
+
+``--device`` places the model, its trained indexer and every tensor of the run
+(:class:`benchmark.e2e.layout.Layout`); on CUDA the timers synchronize at each phase
+boundary (:mod:`benchmark.e2e.clock`) and the memory is the allocator's peak. The JSON's
+``environment`` names the device.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from benchmark.e2e.attention import ATTENTION_NAME, PARTS, register
 from benchmark.e2e.decode import BatchRun, build_batch, decode_batch, kv_geometry, prefill_text
 from benchmark.e2e.indexers import DSA_RATIO, IndexerShape, resolve_indexer_shape
 from benchmark.e2e.layout import request_lengths
+from benchmark.e2e.memory import memory_counter
 from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY, sum_totals
 from benchmark.e2e.report import targets
 
@@ -70,6 +76,7 @@ def summarize(variant: str, run: BatchRun, rec: Dict[str, list], Hkv: int, D: in
         "indexer_dim": run.shape.dim,
         "steps": len(steps),
         "step_ms_median": med,
+        "step_ms": totals,  # per timed step, in decode order (steps of every variant interleave)
         "step_ms_p90": _pct(totals, 0.9),
         "tokens_per_s": rows_per_step * 1e3 / med,
         "kv_bytes_per_step": statistics.median(kv_bytes_per_step(s, Hkv, D, run.shape.dim) for s in steps),
@@ -81,7 +88,7 @@ def summarize(variant: str, run: BatchRun, rec: Dict[str, list], Hkv: int, D: in
         "own_state_bytes": own_bytes,
         "shared_state_bytes": run.shared_bytes,
         "peak_bytes": None if step_peak is None else run.shared_bytes + own_bytes + step_peak,
-        "memory_counter": "VmHWM - VmRSS around step 0 after malloc_trim, plus counted shared and own tensors",
+        "memory_counter": memory_counter(L.device),
         "prefill_s": run.prefill_s,
         "tokens": [step for step in rec["argmax"]],
         COUNTERS_KEY: sum_totals(rec["steps"]),  # every step, warm-up included, as the exporter counts
@@ -92,14 +99,16 @@ def summarize(variant: str, run: BatchRun, rec: Dict[str, list], Hkv: int, D: in
 
 
 
-def load_model(model_path: Optional[str], num_layers: Optional[int]):
-    """The quality harness's offline GGUF loader, switched to this module's attention."""
+def load_model(model_path: Optional[str], num_layers: Optional[int], device: torch.device = torch.device("cpu")):
+    """The quality harness's offline GGUF loader, switched to this module's attention, the
+    model moved to ``device``."""
     from benchmark.quality.model import load_gguf_model
 
     from benchmark.e2e.attention import PLAN_KWARG
     from benchmark.quality.sparse_attention import install_hidden_capture
 
     loaded = load_gguf_model(model_path, num_layers=num_layers)
+    loaded.model.to(device)
     register()
     loaded.model.set_attn_implementation(ATTENTION_NAME)
     install_hidden_capture(loaded.model, PLAN_KWARG)  # the trained indexer reads the attention's input
@@ -147,12 +156,13 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
     register_topology_kv_reporter()  # RTP_LLM_TOPOLOGY_KV_METRICS*: the steps are reported when on
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, args.num_layers)
+    device = torch.device(args.device)
+    loaded = load_model(args.model, args.num_layers, device)
     model = loaded.model
     H, Hkv, D = kv_geometry(model)
     trained, checkpoint = None, None
     if args.indexer == "trained":
-        trained, checkpoint, shape = load_trained(args, loaded, H, D)
+        trained, checkpoint, shape = load_trained(args, loaded, H, D, device)
         what = f"trained indexer {checkpoint}"
     else:
         shape = resolve_indexer_shape(args.indexer_preset, args.indexer_heads, args.indexer_dim, H, Hkv, D)
@@ -188,7 +198,7 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
     if bar is not None:
         bar.close()
     return {
-        "environment": environment(),
+        "environment": environment(device),
         "model": loaded.describe(),
         "indexer": {**shape.describe(), "kind": args.indexer, "checkpoint": checkpoint},
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "merge", "out")},
@@ -197,8 +207,9 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
     }
 
 
-def load_trained(args: argparse.Namespace, loaded, H: int, D: int):
-    """``(layer -> projections, checkpoint path, IndexerShape)``: ``--indexer-checkpoint`` or the shipped one."""
+def load_trained(args: argparse.Namespace, loaded, H: int, D: int, device: torch.device):
+    """``(layer -> projections on device, checkpoint path, IndexerShape)``: ``--indexer-checkpoint``
+    or the shipped one."""
     from benchmark.e2e.indexers import trained_indexer_shape
     from benchmark.indexer.checkpoints import load_trained_indexer, resolve_checkpoint
     from benchmark.quality.paths import user_path
@@ -215,15 +226,24 @@ def load_trained(args: argparse.Namespace, loaded, H: int, D: int):
     missing = [i for i in range(loaded.model.config.num_hidden_layers) if i not in trained]
     if missing:
         raise SystemExit(f"error: --indexer-checkpoint {path}: no indexer for layers {missing}")
+    for projections in trained.values():
+        projections.to(device)
     return trained, str(path), trained_indexer_shape(info.shape.heads, info.shape.head_dim, H, D)
 
 
-def environment() -> Dict[str, object]:
-    return {
+def environment(device: torch.device) -> Dict[str, object]:
+    """The machine: ``device`` is the host's processor, ``device_type`` where the run's
+    tensors lived (``cpu`` or ``cuda``), with ``cuda_device`` (the GPU's name) on CUDA."""
+    env = {
         "device": platform.processor() or platform.machine(),
+        "device_type": device.type,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
     }
+    if device.type == "cuda":
+        env["cuda_device"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    return env
 

@@ -1,14 +1,27 @@
 """End-to-end decode benchmark, batched through the Indexer: dense decode equals
 transformers' own greedy generate per request, a budget covering the context equals dense
 (one row and several rows per request), the paged block-table path gives the rows of a
-contiguous cache, every variant runs and reports sane numbers."""
+contiguous cache, every variant runs and reports sane numbers; the run's device is
+threaded through every tensor the harness makes, and the CUDA timers and memory counter
+are the ones a CUDA device selects. The device-placement test runs on the device under
+test (``TOPOLOGY_KV_TEST_DEVICE``: the GPU in the ``_cuda_manual`` twin), the others on the CPU."""
 
 from __future__ import annotations
 
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from benchmark.e2e import cli as e2e
+from benchmark.e2e import clock, memory, runner
+from benchmark.e2e.decode import BatchRun
+from benchmark.e2e.indexers import make_indexer
+from benchmark.e2e.layout import VariantState
+from tools.device_under_test import DEVICE
 from benchmark.quality.sample_text import PRIDE_AND_PREJUDICE_OPENING
 from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerKeyCache
 from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import paged_indexer_topk, paged_request_keys
@@ -225,3 +238,192 @@ def test_trained_indexer_variants_write_the_projected_keys_and_decode(loaded, te
     out = e2e.decode_batch(loaded.model, run, 2)
     for name in variants[1:]:
         assert max(max(k) for k in out[name]["kl"]) < 1e-6, f"{name}: W covers every row, so it equals dense"
+
+
+def test_device_cuda_without_cuda_fails_at_parsing(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        e2e.parse_args(["--device", "cuda", "--indexer", "proxy"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --device: expected a device torch can use, got cuda while torch.cuda.is_available() is False" \
+        in err and "use --device cpu" in err
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--device", "tpu"])
+    assert "--device: invalid choice: 'tpu'" in capsys.readouterr().err
+    assert e2e.parse_args(["--indexer", "proxy"]).device == "cpu"
+
+
+# The factory functions whose tensors land on the default device (the CPU) unless told.
+FACTORIES = {torch.zeros, torch.empty, torch.full, torch.arange, torch.tensor, torch.ones, torch.randn}
+HARNESS = str(Path(e2e.__file__).resolve().parent)
+
+
+class HarnessFactoryCalls(TorchFunctionMode):
+    """Records every factory call made from ``benchmark/e2e/`` without ``device=``: on a
+    CUDA run each would put a tensor on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES and "device" not in kwargs:
+            caller = sys._getframe(1)
+            if str(Path(caller.f_code.co_filename).resolve()).startswith(HARNESS):
+                self.calls.append(f"{func.__name__} at {caller.f_code.co_filename}:{caller.f_lineno}")
+        return func(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def loaded_on_device(loaded):
+    """The model on the device under test (the CPU fixture itself on the CPU)."""
+    return loaded if DEVICE.type == "cpu" else e2e.load_model(None, NUM_LAYERS, DEVICE)
+
+
+def _placed(run: BatchRun):
+    """Every tensor a built batch holds, by name."""
+    out = {}
+    for layer, p in run.pools.items():
+        out.update({f"k[{layer}]": p.k, f"v[{layer}]": p.v, f"index_keys[{layer}]": p.index_cache.k_cache})
+    for name, st in run.states.items():
+        out[f"{name}.block_table"] = st.block_table
+        for layer, tr in st.trackers.items():
+            if tr is not None:
+                out.update({f"{name}.tracker[{layer}].{f}": getattr(tr, f)
+                            for f in ("_sums", "_counts", "_drift_flat")})
+    return out
+
+
+@pytest.mark.parametrize("indexer", ["proxy", "trained"])
+def test_every_tensor_of_a_run_is_on_the_model_device(loaded_on_device, text, indexer):
+    """Prefill, layout and decode of every variant: no factory call in benchmark/e2e/ leaves
+    out ``device=``, and the pools, tables, trackers and step inputs are on the model's device."""
+    from benchmark.e2e.indexers import trained_indexer_shape
+    from benchmark.indexer.checkpoints import find_shipped_checkpoint, load_trained_indexer
+
+    model = loaded_on_device.model
+    H, Hkv, D = e2e.kv_geometry(model)
+    trained = None
+    if indexer == "trained":
+        trained, info = load_trained_indexer(find_shipped_checkpoint(loaded_on_device.gguf_sha256),
+                                             loaded_on_device.gguf_sha256)
+        for projections in trained.values():
+            projections.to(DEVICE)
+        shape = trained_indexer_shape(info.shape.heads, info.shape.head_dim, H, D)
+    else:
+        shape = e2e.resolve_indexer_shape("dsa-ratio", None, None, H, Hkv, D)
+    lens = [CONTEXT, CONTEXT - 30]
+    tokens = torch.zeros(len(lens), 2, dtype=torch.int64, device=DEVICE)
+    with HarnessFactoryCalls() as calls:
+        run = e2e.build_batch(model, text, lens, list(e2e.VARIANTS), 2, 1, 96, shape, trained=trained)
+        out = e2e.decode_batch(model, run, 2)
+        plan, ids, _ = e2e.step_inputs(run, run.states["learned"], tokens)
+        dense_plan, _, _ = e2e.step_inputs(run, run.states["dense"], tokens)
+    assert calls.calls == []
+    assert run.layout.device == model.device and model.device.type == DEVICE.type
+    placed = _placed(run)
+    placed.update(slots=plan.slots, positions=plan.positions, request_ids=plan.request_ids, ids=ids,
+                  row_lengths=plan.row_lengths, shared_lens=plan.shared_lens, weights=plan.weights,
+                  cu_seqlens=plan.attn.decode_cu_seqlens_device, lengths=plan.fmha.expanded_seq_lens,
+                  dense_mask=dense_plan.dense_mask)
+    wrong = {name: t.device for name, t in placed.items() if t.device.type != DEVICE.type}
+    assert not wrong, wrong
+    for name, rec in out.items():
+        assert all(s["total_s"] > 0 and s["attention_s"] > 0 for s in rec["steps"]), name
+        if DEVICE.type == "cuda":  # the allocator's counter is always there (the host's may be missing)
+            assert rec["steps"][0]["step_peak_bytes"] is not None, name
+
+
+def test_step_inputs_follow_the_layout_device(shape):
+    """A layout on the ``meta`` device: the block tables, every step input and the dense mask
+    are made there (nothing is made on the CPU regardless of the run's device)."""
+    layout = e2e.Layout([200, 130], variants=1, rows_per_step=2, steps=3, device="meta")
+    st = VariantState("dense", 0, layout.block_table(0), {0: None}, {0: None}, [200, 130])
+    run = BatchRun(layout, {}, {"dense": st}, [0, 0], None, [], shape, 64, 0.0, 0)
+    plan, ids, positions = e2e.step_inputs(run, st, torch.zeros(2, 2, dtype=torch.int64, device="meta"))
+    made = {"block_table": st.block_table, "slots": plan.slots, "positions": positions,
+            "request_ids": plan.request_ids, "row_lengths": plan.row_lengths, "shared_lens": plan.shared_lens,
+            "weights": plan.weights, "cu_seqlens": plan.attn.decode_cu_seqlens_device,
+            "topk_indices_offset": plan.fmha.topk_indices_offset, "dense_mask": plan.dense_mask}
+    assert {name: t.device.type for name, t in made.items()} == dict.fromkeys(made, "meta")
+    assert plan.dense_mask.shape == (2, 1, 2, layout.shared_tokens + layout.tail_tokens)
+
+
+class Synchronizations:
+    """``torch.cuda.synchronize`` replaced by a recorder (no GPU needed)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.devices = []
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self.devices.append(device))
+
+
+def test_the_phase_clock_synchronizes_on_cuda_only(monkeypatch, shape):
+    syncs = Synchronizations(monkeypatch)
+    assert clock.phase_clock(torch.device("cpu")) is time.perf_counter  # the CPU: the plain clock, unchanged
+    assert e2e.Layout([130], 1, 1, 2).clock is time.perf_counter
+    assert make_indexer("learned", shape, 64, 0, torch.device("cpu")).clock is time.perf_counter
+    assert syncs.devices == []
+    cuda = torch.device("cuda", 0)
+    before = time.perf_counter()
+    assert clock.phase_clock(cuda)() >= before
+    assert syncs.devices == [cuda]
+    layout = e2e.Layout([130], 1, 1, 2, device=cuda)  # no tensor made: only the clock is read
+    layout.clock()
+    make_indexer("learned+topology_sparse_merge", shape, 64, 0, cuda).clock()
+    assert syncs.devices == [cuda] * 3
+
+
+def test_the_step_memory_counter_is_the_cuda_allocators_on_cuda(monkeypatch):
+    calls = []
+    allocated = iter([1000, 1500])  # before the step, its peak
+
+    def fail(*_a, **_k):
+        raise AssertionError("the host counters are read on a CUDA run")
+
+    monkeypatch.setattr(memory, "_proc_status", fail)
+    monkeypatch.setattr(memory, "_libc", fail)
+    def counter(name):
+        return lambda d=None: calls.append((name, d)) or next(allocated)
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: calls.append(("reset", d)))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", counter("allocated"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", counter("peak"))
+    cuda = torch.device("cuda", 0)
+    result, peak = memory.measure_step_memory(lambda: calls.append("step") or "out", cuda)
+    assert (result, peak) == ("out", 500)
+    assert calls == [("reset", cuda), ("allocated", cuda), "step", ("peak", cuda)]
+    assert memory.memory_counter(cuda) == memory.CUDA_COUNTER != memory.memory_counter(torch.device("cpu"))
+
+
+def test_the_step_memory_counter_on_the_cpu_reads_no_cuda_statistics(monkeypatch):
+    def fail(*_a, **_k):
+        raise AssertionError("a CUDA counter is read on a CPU run")
+
+    for name in ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, fail)
+    result, peak = memory.measure_step_memory(lambda: torch.ones(1 << 20).sum(), torch.device("cpu"))
+    assert float(result) == 1 << 20
+    assert peak is None or peak >= 0
+    assert memory.memory_counter(torch.device("cpu")) == memory.HOST_COUNTER
+
+
+def test_the_environment_names_the_device(monkeypatch):
+    cpu = runner.environment(torch.device("cpu"))
+    assert cpu["device_type"] == "cpu" and "cuda_device" not in cpu and cpu["threads"] == torch.get_num_threads()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+    gpu = runner.environment(torch.device("cuda"))
+    assert (gpu["device_type"], gpu["cuda_device"]) == ("cuda", "NVIDIA H200")
+
+
+def test_the_step_order_rotates_all_but_dense():
+    from benchmark.e2e.decode import step_order
+
+    names = ["dense", "a", "b", "c"]
+    orders = [step_order(names, i) for i in range(4)]
+    assert orders == [["dense", "a", "b", "c"], ["dense", "b", "c", "a"], ["dense", "c", "a", "b"],
+                      ["dense", "a", "b", "c"]]
+    # Over a full rotation every variant runs once right after dense, and never twice after the same one.
+    assert sorted(o[1] for o in orders[:3]) == ["a", "b", "c"]
+    assert step_order(["dense"], 5) == ["dense"]

@@ -85,6 +85,22 @@ def test_targets_pair_compress_with_learned_of_its_own_preset():
            "indexer model): step time ratio 1.125" in text
 
 
+def test_the_step_ratio_pairs_the_interleaved_steps():
+    """Step i of a variant and of learned ran in the same round: the target's ratio is the
+    median of the paired ratios, which a slow patch hitting both steps leaves alone (the
+    ratio of the medians here would be 1.5); rows without per-step times use the medians."""
+    base, merged = row("learned", 8192, 1, 100.0), row("learned+topology_sparse_merge", 8192, 1, 150.0)
+    base["step_ms"] = [100.0, 200.0, 100.0, 200.0, 100.0]
+    merged["step_ms"] = [103.0, 202.0, 101.0, 204.0, 150.0]  # ratios 1.03, 1.01, 1.01, 1.02, 1.5
+    assert report.step_ratio(merged, base) == pytest.approx(1.02)
+    t = next(t for t in report.targets([base, merged]) if t["target"].startswith("learned+topology_sparse_merge within"))
+    assert t["value"] == pytest.approx(1.02) and t["passed"]
+    del merged["step_ms"]
+    assert report.step_ratio(merged, base) == pytest.approx(1.5)  # older JSON: the medians
+    merged["step_ms"] = [150.0] * 4  # a different number of steps: not paired
+    assert report.step_ratio(merged, base) == pytest.approx(1.5)
+
+
 def test_nothing_run_is_not_run():
     text = report.format_targets(report.targets([row("dense", 2048, 32, 100.0)]))
     # noscan, both merge modes at batch 1 and 8, both policy shares
@@ -172,3 +188,16 @@ def test_merge_errors_name_the_flag(tmp_path, capsys):
     run.write_text(json.dumps(payload([row("dense", 2048, 1, 10.0)])))
     with pytest.raises(SystemExit, match="--merge: .*a.json: row .* is also in .*a.json"):
         e2e.main(["--merge", str(run), str(run), "--out", str(tmp_path / "out")])
+
+
+def test_the_runs_line_names_the_device():
+    cpu = payload([row("dense", 8192, 1, 100.0)])
+    assert report.machine_of(cpu["environment"]) == "2 threads on x86_64"  # a run without device_type: the CPU
+    gpu = payload([row("dense", 8192, 8, 10.0)])
+    gpu["environment"].update(device_type="cuda", cuda_device="NVIDIA H200", threads=16)
+    gpu["settings"]["device"] = "cuda"
+    md = report.format_merged(report.merge_runs([("cpu.json", cpu), ("gpu.json", gpu)]), plot_name=None)
+    runs = [line for line in md.splitlines() if line.startswith("- `")]
+    assert "; 2 threads on x86_64, torch 2.x" in runs[0] and "--device" not in runs[0]
+    assert "; CUDA NVIDIA H200 (host x86_64, 16 threads), torch 2.x" in runs[1]
+    assert "--budget 1024 --indexer-preset dsa-ratio --device cuda`" in runs[1]

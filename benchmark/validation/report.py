@@ -144,6 +144,7 @@ def run_e2e(out_dir: Path, quick: bool, device: str) -> Dict:
 
     argv = ["--quick"] if quick else ["--contexts", "2048", "8192", "--batches", "1", "8", "--new-tokens", "8",
                                       "--warmup", "2"]
+    argv += ["--device", device]
     payload = _run_json_part(e2e.main, "topology_kv_decode_e2e.py", argv, out_dir / "e2e.json")
     payload["markdown"] = e2e.format_table(payload["rows"])
     payload["targets_text"] = e2e.format_targets(payload["targets"])
@@ -392,7 +393,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default="report", help="output folder (default report/)")
     p.add_argument("--parts", nargs="+", default=list(PARTS), help=f"subset of {list(PARTS)}")
     p.add_argument("--quick", action="store_true", help="~2 minute smoke version of every part")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (micro and policy parts)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (the micro, policy and e2e parts; the quality gate runs on the CPU)")
     args = p.parse_args(argv)
     unknown = [x for x in args.parts if x not in PARTS]
     if unknown:

@@ -88,13 +88,47 @@ struct BlockDiv {
   int64_t mod(int64_t v) const { return pow2 ? (v & (bs - 1)) : v % bs; }
 };
 
+// key[0, n) sorted ascending: a least-significant-digit radix sort on 8-bit digits (stable
+// passes, so the result is the full 64-bit order, as std::sort gives it), skipping every
+// digit all keys share (the exponent bits of similar scores, the column's high zeros).
+// Below 64 keys, std::sort.
+void radix_sort(uint64_t* key, int64_t n, std::vector<uint64_t>& tmp) {
+  if (n < 64) {
+    std::sort(key, key + n);
+    return;
+  }
+  uint64_t all_or = 0, all_and = ~uint64_t(0);
+  for (int64_t i = 0; i < n; ++i) {
+    all_or |= key[i];
+    all_and &= key[i];
+  }
+  const uint64_t varying = all_or ^ all_and;  // bits that differ between some keys
+  if (tmp.size() < size_t(n)) tmp.resize(size_t(n));
+  uint64_t* src = key;
+  uint64_t* dst = tmp.data();
+  for (int shift = 0; shift < 64; shift += 8) {
+    if (((varying >> shift) & 255) == 0) continue;
+    int64_t count[256] = {0};
+    for (int64_t i = 0; i < n; ++i) ++count[(src[i] >> shift) & 255];
+    int64_t sum = 0;
+    for (int d = 0; d < 256; ++d) {
+      const int64_t c = count[d];
+      count[d] = sum;
+      sum += c;
+    }
+    for (int64_t i = 0; i < n; ++i) dst[count[(src[i] >> shift) & 255]++] = src[i];
+    std::swap(src, dst);
+  }
+  if (src != key) std::memcpy(key, src, size_t(n) * sizeof(uint64_t));
+}
+
 // The k smallest of key[0, n) (unique), sorted ascending into key[0, k). A radix select on
 // 8-bit digits from the top finds the digits that separate them (each pass scans only the
-// bucket holding the k-th smallest), then one compaction and a sort of the k.
+// bucket holding the k-th smallest), then one compaction and a radix sort of the k.
 void lowest_sorted(uint64_t* key, int64_t n, int64_t k, std::vector<uint64_t>& tmp) {
   if (k <= 0) return;
   if (k >= n) {
-    std::sort(key, key + n);
+    radix_sort(key, n, tmp);
     return;
   }
   tmp.resize(size_t(n));
@@ -125,7 +159,7 @@ void lowest_sorted(uint64_t* key, int64_t n, int64_t k, std::vector<uint64_t>& t
     key[w] = v;
     w += (v >> shift) <= lim;
   }
-  std::sort(key, key + k);
+  radix_sort(key, k, tmp);
 }
 
 struct Scratch {
