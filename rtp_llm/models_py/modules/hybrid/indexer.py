@@ -30,6 +30,7 @@ Configuration: :class:`IndexerTopologySettings` (``topology_kv.config``), read f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any, Dict, Optional, Tuple
@@ -101,6 +102,13 @@ class TopologyStepCounters:
                 for name, value in counters.to_dict().items():
                     out[name] = out.get(name, 0) + value
         return out
+
+
+@functools.lru_cache(maxsize=64)
+def _row_numbers(rows: int, device: torch.device) -> torch.Tensor:
+    """``arange(rows)`` on ``device``, built once per (rows, device) and shared: the policy
+    and the row map only read it, and a decode step's row count repeats every layer."""
+    return torch.arange(rows, device=device)
 
 
 class Indexer(nn.Module):
@@ -446,7 +454,7 @@ class Indexer(nn.Module):
     def _decode_row_to_request(rows: int, attention_inputs: IndexerAttentionInputs) -> torch.Tensor:
         block_table = attention_inputs.kv_cache_kernel_block_id_device
         cu = getattr(attention_inputs, "decode_cu_seqlens_device", None)
-        row = torch.arange(rows, device=block_table.device)
+        row = _row_numbers(rows, block_table.device)
         if cu is None:
             return row  # one decode row per request
         return torch.searchsorted(cu[1:].to(torch.int64).contiguous(), row, right=True)

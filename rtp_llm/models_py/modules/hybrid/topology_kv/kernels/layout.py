@@ -141,6 +141,11 @@ class PolicyLayout:
         derived["compress_start"] = derived["compress_start_block"] * bs
         for name, value in derived.items():
             object.__setattr__(self, name, value)
+        # Immutable, so its hash is fixed: computed once (layouts key per-call caches).
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def from_config(cls, config: TopologyKVPolicyConfig) -> "PolicyLayout":
