@@ -402,6 +402,13 @@ for cosine in (False, True):
     a = (torch.int64, I, torch.int64, I, torch.int64, I, torch.float32, torch.float32, torch.float32, I, I, I, I)
     print("drift", "cosine" if cosine else "l2",
           *ops(ptx(K._drift_kernel, a, dict(BS=64, HAS_REQ=True, HAS_POOL=True, COSINE=cosine), 1)))
+# Without request ids or a pool (the tracker's other calls), and a block size not a power of two.
+a = (torch.bfloat16, I, torch.int32, I, torch.int32, I, torch.int32, I, torch.float32, I, torch.float32,
+     torch.float32, I, I, I, I)
+ptx(K._store_and_add_kernel, a, dict(BS=48, BLOCK_K=16, HAS_REQ=False, HAS_POOL=False, POOL_BF16=False), 4)
+a = (torch.int32, I, torch.int32, I, torch.int32, I, torch.float32, torch.float32, torch.float32, I, I, I, I)
+ptx(K._drift_kernel, a, dict(BS=48, HAS_REQ=False, HAS_POOL=False, COSINE=False), 1)
+print("compiled without request ids and pool")
 """
 
 
@@ -422,7 +429,8 @@ def test_triton_kernels_compile_for_sm90_with_ieee_rounding():
     proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = {tuple(l.split()[:2]): set(l.split()[2:]) for l in proc.stdout.splitlines()}
+    assert proc.stdout.rstrip().endswith("compiled without request ids and pool"), proc.stdout
+    lines = {tuple(l.split()[:2]): set(l.split()[2:]) for l in proc.stdout.splitlines()[:-1]}
     assert len(lines) == 6, proc.stdout
     for key, ops in lines.items():
         assert not any(op.startswith("fma.") for op in ops), (key, sorted(ops))
