@@ -277,10 +277,12 @@ class BlockDriftTracker:
         pool, slots : optional ``[S, K]`` key pool and int ``[T]`` slots: the keys are
             stored there too (``pool[slots] = keys.to(pool.dtype)``), in the same call
 
-        One fused call where :attr:`kernel` says so (C++ on CPU: a bad request id or slot
-        raises before anything is written; Triton on CUDA: two launches, a key with a bad
-        request id or slot is skipped), bit for bit as :meth:`update_reference` (the
-        specification, which runs everywhere else and for inputs the kernels do not take).
+        One fused call where :attr:`kernel` says so, against :meth:`update_reference` (the
+        specification, which runs everywhere else and for inputs the kernels do not take):
+        C++ on CPU, bit for bit, a bad request id or slot raising before anything is
+        written; Triton on CUDA, two launches, bit for bit when no block receives two keys
+        in one call (a decode step), else the block sums add in the atomics' order (as
+        ``index_add_`` on CUDA does), and a key with a bad request id or slot is skipped.
         """
         T = self._check_update(keys, positions, request_ids, pool, slots)
         kernel = self.kernel
