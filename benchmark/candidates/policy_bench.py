@@ -24,7 +24,7 @@ key write: the indexer-key store plus the drift tracker's update per layer call
 Input rows are synthetic but valid: ``W`` unique positions per row spread over ``[0, L)``
 in random order (the engine's top-k order is arbitrary), drift scores and learned scores
 uniform. Prints a TSV table, the targets with PASS/FAIL (the best backend per cell), and
-``--json``. The CPU R = 1 targets are checked on the layer call (what serving runs per
+``--json``. The per-call targets are checked on the layer call (what serving runs per
 layer and step); the public entry's figures are printed beside it.
 
     python benchmark/topology_kv_policy_bench.py --rows 1 8 64 1024 --lengths 8192 131072
@@ -394,8 +394,9 @@ TRACKER_BATCHES = (1, 8, 64)  # decode rows per tracker update (one key per requ
 def time_tracker_update(device: torch.device, rounds: int, warmup: int, key_dim: int = 128,
                         context: int = 8192, block_size: int = 64) -> List[Dict[str, object]]:
     """A decode step's key store plus drift tracker update per layer call, interleaved:
-    ``BlockDriftTracker.update`` (its :attr:`kernel`: one C++ call on CPU, two Triton launches
-    on CUDA) beside ``update_reference`` (torch ops), for batches of :data:`TRACKER_BATCHES` requests, one new key each, mid-block.
+    ``BlockDriftTracker.update`` (its :attr:`kernel`: one C++ call on CPU, two Triton
+    launches on CUDA) beside ``update_reference`` (torch ops), for batches of
+    :data:`TRACKER_BATCHES` requests, one new key each, mid-block.
 
     ``key_dim`` 128 is DSA's indexer key. Each call writes the same mid-block positions
     again, so no block pair completes: the case of 63 of 64 decode steps. The step that

@@ -172,7 +172,8 @@ class TopologyKVLayerPolicy:
         backend = self.backend
         if backend is None:
             backend = resolve_backend(config.backend, topk_indices.device)  # cached per (backend, device)
-        inputs = PolicyTensors(topk_indices, lengths, offsets, block_drift_scores, learned_scores, plan.scaffold_lengths)
+        inputs = PolicyTensors(topk_indices, lengths, offsets, block_drift_scores, learned_scores,
+                               plan.scaffold_lengths)
         rows, counters, lazy = run_layout(
             backend, self.layout, inputs, row_to_request, out=out, counters_out=counters_out
         )
