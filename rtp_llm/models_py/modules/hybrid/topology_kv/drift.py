@@ -246,7 +246,7 @@ class BlockDriftTracker:
         if self._kernel is None:
             if cpu_drift.can_use_drift_kernel(self.device):
                 self._kernel = "cpu"
-            elif self.device.type == "cuda" and triton_drift.can_use_triton_drift(self.device):
+            elif self.device.type == "cuda" and triton_drift.can_use_triton(self.device):
                 self._kernel = "triton"
             else:
                 self._kernel = "torch"

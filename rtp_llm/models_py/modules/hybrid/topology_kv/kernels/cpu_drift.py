@@ -39,7 +39,8 @@ def build_error() -> Optional[str]:
     return _KERNEL.build_error()
 
 
-def _index(t: torch.Tensor) -> torch.Tensor:
+def index_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernels read indices: int32 or int64 as it is, any other dtype as int64."""
     return t if t.dtype in _INDEX_DTYPES else t.to(torch.int64)
 
 
@@ -67,6 +68,6 @@ def track_keys_cpu(
     """
     flat = keys if keys.dtype == torch.float32 and keys.is_contiguous() else keys.to(torch.float32).contiguous()
     _KERNEL.load().track(
-        flat, _index(positions), None if request_ids is None else _index(request_ids),
-        sums, counts, drift_flat, block_size, cosine, pool, None if slots is None else _index(slots),
+        flat, index_tensor(positions), None if request_ids is None else index_tensor(request_ids),
+        sums, counts, drift_flat, block_size, cosine, pool, None if slots is None else index_tensor(slots),
     )

@@ -44,43 +44,23 @@ generated PTX for IEEE division and square root and the absence of fused multipl
 
 from __future__ import annotations
 
-import os
-from typing import Optional, Union
+from typing import Optional
 
 import torch
-
-try:  # triton is optional: without it can_use_triton_drift() is False and the torch path runs
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
 
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.cpu_drift import (  # noqa: F401 (the same contract)
     EXACT_IN_FP32,
     POOL_DTYPES,
+    index_tensor,
+)
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.triton_env import (  # noqa: F401 (can_use_triton: re-exported)
+    can_use_triton,
+    tl,
+    triton,
 )
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit saw below
-_INDEX_DTYPES = (torch.int32, torch.int64)
 # Options of both launches: no FMA contraction, so every float operation rounds on its own.
 COMPILE_OPTIONS = dict(enable_fp_fusion=False)
-
-
-def can_use_triton_drift(device: Union[torch.device, str]) -> bool:
-    """Whether :func:`track_keys_triton` can run on ``device``; never raises.
-
-    True on CUDA when triton imports (compiled kernels); on CPU only under
-    ``TRITON_INTERPRET=1`` set before this module was imported (the tests' interpreter).
-    """
-    if triton is None:
-        return False
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available() and not _INTERPRETED
-    if device.type == "cpu":
-        return _INTERPRETED and os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return False
 
 
 if triton is not None:
@@ -184,10 +164,6 @@ if triton is not None:
             tl.store(drift_ptr + req * N + target, value)
 
 
-def _index(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype in _INDEX_DTYPES else t.to(torch.int64)
-
-
 def track_keys_triton(
     keys: torch.Tensor,
     positions: torch.Tensor,
@@ -206,7 +182,7 @@ def track_keys_triton(
     ``drift_flat`` ``[B * N + 1]`` (fp32, contiguous), in place, in two launches.
 
     The caller (the tracker) has checked the shapes and that every tensor is on one device
-    where :func:`can_use_triton_drift` holds; ``keys`` are one of :data:`EXACT_IN_FP32`
+    where :func:`can_use_triton` holds; ``keys`` are one of :data:`EXACT_IN_FP32`
     with unit stride along ``K``, the index tensors int32 or int64 (others are converted),
     ``pool`` one of :data:`POOL_DTYPES` with unit stride along ``K``.
     """
@@ -216,10 +192,10 @@ def track_keys_triton(
     if T == 0:
         return
     B, N = sums.shape[0], sums.shape[1] - 1
-    positions = _index(positions)
-    req = positions if request_ids is None else _index(request_ids)  # never read without HAS_REQ
+    positions = index_tensor(positions)
+    req = positions if request_ids is None else index_tensor(request_ids)  # never read without HAS_REQ
     has_pool = pool is not None
-    slot = _index(slots) if has_pool else positions
+    slot = index_tensor(slots) if has_pool else positions
     pool_arg = pool if has_pool else sums
     common = dict(BS=block_size, HAS_REQ=request_ids is not None, HAS_POOL=has_pool)
     sizes = (K, B, N, pool.shape[0] if has_pool else 1)

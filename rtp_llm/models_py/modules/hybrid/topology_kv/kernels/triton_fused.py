@@ -69,8 +69,7 @@ CPU it also compiles the kernel ahead of time for sm_90 (Triton's pipeline and p
 
 from __future__ import annotations
 
-import os
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 
@@ -81,31 +80,11 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import (  # noq
     check_kernel_buffers,
 )
 
-try:  # triton is optional: without it can_use_triton() is False and the torch core is used
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # what triton.jit saw below
-
-
-def can_use_triton(device: Union[torch.device, str]) -> bool:
-    """Whether :func:`topology_kv_policy_triton` can run on ``device``.
-
-    True on CUDA when triton imports (and CUDA is available); on CPU only when
-    ``TRITON_INTERPRET=1`` is set in the environment and was set when this module was
-    imported (the kernel is then an interpreted function). False elsewhere.
-    """
-    if triton is None:
-        return False
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available() and not _INTERPRETED
-    if device.type == "cpu":
-        return _INTERPRETED and os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return False
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.triton_env import (  # noqa: F401 (can_use_triton: re-exported)
+    can_use_triton,
+    tl,
+    triton,
+)
 
 
 if triton is not None:

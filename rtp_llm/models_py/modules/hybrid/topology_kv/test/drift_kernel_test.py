@@ -38,7 +38,7 @@ from tools.device_under_test import DEVICE
 ON_CPU = DEVICE.type == "cpu"
 cpu_only = pytest.mark.skipif(not ON_CPU, reason=f"the C++ kernel runs on CPU tensors (device under test: {DEVICE})")
 needs_triton = pytest.mark.skipif(
-    not triton_drift.can_use_triton_drift(DEVICE),
+    not triton_drift.can_use_triton(DEVICE),
     reason=f"triton cannot run on {DEVICE} here (on CPU it needs TRITON_INTERPRET=1 before import)",
 )
 
