@@ -18,7 +18,8 @@ next to the rows.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+import functools
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
@@ -31,7 +32,8 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     TopologyKVPolicyMode,
     WitnessSignal,
 )
-from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import resolve_backend
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_fused
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import buffer_counters, resolve_backend
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout, PolicyTensors
 from rtp_llm.models_py.modules.hybrid.topology_kv.policy import (
     TopologyKVCounters,
@@ -66,6 +68,9 @@ class TopologyKVLayerPolicy:
         rows' device at the first call, cached per device)
     reads_drift : whether the layer passes the drift tracker's scores (the policy is on and
         its witness signal resolves to ``key_drift``)
+    kernel : ``(compiled entry, its constants for width W)`` when the fused CPU kernel runs
+        and mismatches do not raise: a call on rows of width W without contexts is one
+        direct call of the compiled op; else None
     """
 
     settings: IndexerTopologySettings
@@ -74,6 +79,7 @@ class TopologyKVLayerPolicy:
     layout: Optional[PolicyLayout]
     backend: Optional[TopologyKVBackend]
     reads_drift: bool
+    kernel: Optional[Tuple[Callable, tuple]] = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -113,13 +119,19 @@ class TopologyKVLayerPolicy:
         backend = None
         if device is not None and policy.enabled:
             backend = resolve_backend(policy.backend, device)  # raises naming backend and device
+        layout = PolicyLayout.from_config(policy) if policy.enabled else None
+        kernel = None
+        if (backend is TopologyKVBackend.CPU_FUSED and width >= 1
+                and policy.coordinate_mismatch_action is not CoordinateMismatchAction.RAISE):
+            kernel = (cpu_fused.compiled_entry(), cpu_fused.layer_args(layout, width))
         return cls(
             settings=settings,
             layer_idx=0 if layer_idx is None else layer_idx,
             width=width,
-            layout=PolicyLayout.from_config(policy) if policy.enabled else None,
+            layout=layout,
             backend=backend,
             reads_drift=policy.enabled and settings.resolved_witness_signal is WitnessSignal.KEY_DRIFT,
+            kernel=kernel,
         )
 
     @property
@@ -148,9 +160,26 @@ class TopologyKVLayerPolicy:
 
         Disabled: ``topk_indices`` itself and no counters. ``coordinate_mismatch_action=raise``
         runs the public entry (its host check is the point of that setting). With
-        ``cpu_fused`` the rows come from one C++ entry (:func:`run_layout`: the metadata
-        checks in C++, drift rows read through ``row_to_request``).
+        ``cpu_fused`` the rows come from one C++ entry (as :func:`run_layout` calls it: the
+        metadata checks in C++, drift rows read through ``row_to_request``), called
+        directly with the layer's constants when the rows have the layer's width.
         """
+        kernel = self.kernel
+        if kernel is not None and context is None and topk_indices.shape[1] == self.width:
+            # The serving call: run_layout's CPU call with the constants fixed at build, one
+            # direct call of the compiled op and two small objects (the caches are cold here).
+            entry, args = kernel
+            rows, buffer = entry(
+                topk_indices, lengths, offsets, block_drift_scores,
+                None if block_drift_scores is None else row_to_request,
+                plan.scaffold_lengths if plan is not None and self.layout.compress_mode else None,
+                learned_scores, out, counters_out, None, *args,
+            )
+            counters = TopologyKVCounters({}, 0, functools.partial(buffer_counters, buffer))
+            if plan is None:
+                return TopologyKVPolicyResult(rows, counters)
+            counters.compression_hits = plan.compression_hits
+            return TopologyKVPolicyResult(rows, counters, plan.fingerprints)
         config = self.settings.policy
         if self.layout is None:
             return TopologyKVPolicyResult(indices=topk_indices, counters=None)

@@ -21,7 +21,6 @@ everything it calls) is pure tensor code with static shapes: no ``.item()``,
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Callable, Dict, Optional, Tuple, Union
 
@@ -65,24 +64,30 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.request import (  # noqa: F401
 # ---------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
 class TopologyKVCounters:
     """Counters as 0-dim int64 device tensors; :meth:`to_dict` materializes them (syncs).
 
     Token counters cover the rows the policy processed; rows returned unchanged after a
     coordinate mismatch are counted only in ``coordinate_mismatch_fallbacks``.
     ``compression_hits`` is a host int: the number of contexts in this call whose
-    fingerprint equalled their previous one.
+    fingerprint equalled their previous one. ``lazy``, when given, returns the per-name
+    views of a counter buffer on the first read. Read-only by contract; a plain class with
+    slots because a layer builds one per call (a dataclass's init costs about twice as much
+    when the caches are cold, as between two layers of a decode step).
     """
 
-    tensors: Dict[str, torch.Tensor]
-    compression_hits: int = 0
-    lazy: Optional[Callable[[], Dict[str, torch.Tensor]]] = None  # per-name views of a counter buffer
+    __slots__ = ("tensors", "compression_hits", "lazy")
+
+    def __init__(self, tensors: Dict[str, torch.Tensor], compression_hits: int = 0,
+                 lazy: Optional[Callable[[], Dict[str, torch.Tensor]]] = None) -> None:
+        self.tensors = tensors
+        self.compression_hits = compression_hits
+        self.lazy = lazy
 
     def _tensors(self) -> Dict[str, torch.Tensor]:
         if self.lazy is not None:
             self.tensors.update(self.lazy())
-            object.__setattr__(self, "lazy", None)
+            self.lazy = None
         return self.tensors
 
     def to_dict(self) -> Dict[str, int]:
@@ -96,10 +101,14 @@ class TopologyKVCounters:
             return self._tensors()[name]
         raise AttributeError(name)
 
+    def __repr__(self) -> str:
+        return (f"TopologyKVCounters(names={sorted(self.tensors)}, pending={self.lazy is not None}, "
+                f"compression_hits={self.compression_hits})")
 
-@dataclasses.dataclass(frozen=True)
+
 class TopologyKVPolicyResult:
-    """What :func:`apply_topology_kv_policy` returns.
+    """What :func:`apply_topology_kv_policy` and a layer's call return (read-only by contract;
+    slots, as :class:`TopologyKVCounters`).
 
     indices : the output rows (the input tensor itself when disabled)
     counters : TopologyKVCounters, or None when disabled (nothing was computed)
@@ -107,10 +116,18 @@ class TopologyKVPolicyResult:
     schedule_ms : wall time of the policy in ms when ``measure_time=True`` (syncs), else None
     """
 
-    indices: torch.Tensor
-    counters: Optional[TopologyKVCounters]
-    fingerprints: Tuple[str, ...] = ()
-    schedule_ms: Optional[float] = None
+    __slots__ = ("indices", "counters", "fingerprints", "schedule_ms")
+
+    def __init__(self, indices: torch.Tensor, counters: Optional[TopologyKVCounters],
+                 fingerprints: Tuple[str, ...] = (), schedule_ms: Optional[float] = None) -> None:
+        self.indices = indices
+        self.counters = counters
+        self.fingerprints = fingerprints
+        self.schedule_ms = schedule_ms
+
+    def __repr__(self) -> str:
+        return (f"TopologyKVPolicyResult(indices={tuple(self.indices.shape)}, counters={self.counters!r}, "
+                f"fingerprints={self.fingerprints!r}, schedule_ms={self.schedule_ms!r})")
 
 
 # ---------------------------------------------------------------------------------------

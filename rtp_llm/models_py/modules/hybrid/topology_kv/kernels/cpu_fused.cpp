@@ -23,6 +23,7 @@
 //  5. counters per chunk of rows, added atomically to the caller's int64 buffer.
 
 #include <torch/python.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -162,6 +163,12 @@ void lowest_sorted(uint64_t* key, int64_t n, int64_t k, std::vector<uint64_t>& t
   radix_sort(key, k, tmp);
 }
 
+// v.size() >= n afterwards; new elements are `fill`, existing ones keep their values.
+template <typename V>
+void grow(std::vector<V>& v, int64_t n, V fill = V()) {
+  if (v.size() < size_t(n)) v.resize(size_t(n), fill);
+}
+
 struct Scratch {
   std::vector<uint64_t> ukeys, utmp;
   std::vector<int64_t> xr, res, tok, inj, keys, wit, pos;
@@ -184,17 +191,21 @@ void run_rows(const Params& P, int64_t begin, int64_t end) {
   const int64_t imax = std::numeric_limits<T>::max();
   const BlockDiv bd(bs);
 
-  Scratch s;
-  s.xr.resize(W);
-  s.res.resize(W);
-  s.pos.resize(W);
-  s.ps.resize(W);
-  s.tok.resize(S + 1);
+  // One scratch per thread, kept between calls (a decode step calls every layer with the
+  // same shapes): buffers only grow. Between rows (and calls) `flag` is all 0, `wit_of`
+  // all -1 and `bitmap` all 0; every row restores what it sets. The others are written
+  // before they are read.
+  thread_local Scratch s;
+  grow(s.xr, W);
+  grow(s.res, W);
+  grow(s.pos, W);
+  grow(s.ps, W);
+  grow(s.tok, S + 1);
   s.tok[S] = -1;  // slot S: "not structural" (never matches a position)
-  s.inj.resize(S);
-  s.flag.assign(S + 1, 0);  // flag[S] stays 0 (rewritten below, re-zeroed)
-  s.wit.resize(n_wit);
-  if (P.has_drift) s.wit_of.assign(P.N, -1);
+  grow(s.inj, S);
+  grow(s.flag, S + 1, uint8_t(0));  // flag[S] stays 0 (rewritten below, re-zeroed)
+  grow(s.wit, n_wit);
+  if (P.has_drift) grow(s.wit_of, P.N, int32_t(-1));
   int64_t acc[kCounters] = {0, 0, 0, 0, 0, 0, 0, 0};
 
   for (int64_t r = begin; r < end; ++r) {
@@ -275,7 +286,7 @@ void run_rows(const Params& P, int64_t begin, int64_t end) {
     if (P.has_drift) {
       const int64_t k = std::min(n_wit, eligible);
       if (k > 0) {
-        s.keys.resize(eligible);
+        grow(s.keys, eligible);
         int64_t* key = s.keys.data();
         const float* d = P.drift + (P.r2r ? read_int(P.r2r, P.r2r64, r * P.sr2r) : r) * P.sd0;
         for (int64_t b = sink_end; b < local_start; ++b)
@@ -405,7 +416,7 @@ void run_rows(const Params& P, int64_t begin, int64_t end) {
           for (int64_t e = 0; e < cnt; ++e) res[pos[cnt - 1 - e]] = inj[e];
         } else {  // lowest score first, ties: the later column first
           // Unsigned keys (the int64 key with its sign bit flipped: same order).
-          s.ukeys.resize(W);
+          grow(s.ukeys, W);
           uint64_t* key = s.ukeys.data();
           const float* sc = P.scores + r * P.ss0;
           const uint64_t flip = uint64_t(1) << 63;
@@ -509,7 +520,8 @@ void check_vector(const char* name, const at::Tensor& t, int64_t R) {
 // wrapper's): the metadata checks here, in C++; drift [B, N] read through row_to_request
 // [R] (every entry checked in [0, B) before any row runs), or [R, N] without it; learned
 // scores read as fp32; out and counters the caller's (counters accumulate) or allocated
-// here; mismatch_rows [R] bool, when given, set to the broken-row flags. Returns (out, counters).
+// here, straight from the CPU allocator (a dispatched at::empty / at::zeros costs tens of
+// microseconds when its code is cold, as between two layers of a decode step); mismatch_rows [R] bool, when given, set to the broken-row flags. Returns (out, counters).
 std::vector<at::Tensor> run_layer(const at::Tensor& x, const at::Tensor& lengths,
                                   const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& drift_in,
                                   const c10::optional<at::Tensor>& row_to_request,
@@ -566,7 +578,7 @@ std::vector<at::Tensor> run_layer(const at::Tensor& x, const at::Tensor& lengths
                       out.device().is_cpu(), "out: expected ", x.scalar_type(), " [", R, ", ", W, "] on cpu, got ",
                       out.scalar_type(), " ", out.sizes(), " on ", out.device());
   } else {
-    out = at::empty({R, W}, x.options());
+    out = at::Tensor(at::detail::empty_cpu({R, W}, x.scalar_type(), false, c10::nullopt));
   }
   at::Tensor counters;
   if (counters_in.has_value()) {
@@ -575,7 +587,8 @@ std::vector<at::Tensor> run_layer(const at::Tensor& x, const at::Tensor& lengths
                       counters.device().is_cpu(), "counters: expected int64 [", kCounters, "] on cpu, got ",
                       counters.scalar_type(), " ", counters.sizes(), " on ", counters.device());
   } else {
-    counters = at::zeros({kCounters}, x.options().dtype(at::kLong));
+    counters = at::Tensor(at::detail::empty_cpu({kCounters}, at::kLong, false, c10::nullopt));
+    std::memset(counters.data_ptr<int64_t>(), 0, sizeof(int64_t) * kCounters);
   }
   if (mismatch.has_value()) {
     const at::Tensor& m = *mismatch;

@@ -125,5 +125,13 @@ def run_layer(
     naming the row and its value before any row runs. ``out`` may be ``topk_indices`` but
     must not otherwise overlap the inputs (not checked here).
     """
-    return tuple(_KERNEL.load().run_layer(topk_indices, lengths, offsets, drift, row_to_request, scaffold_lengths,
-                                          learned_scores, out, counters, mismatch_rows, *args))
+    return tuple(compiled_entry()(topk_indices, lengths, offsets, drift, row_to_request, scaffold_lengths,
+                                  learned_scores, out, counters, mismatch_rows, *args))
+
+
+def compiled_entry():
+    """The compiled ``run_layer`` itself (builds the extension on first use): positional
+    ``(topk_indices, lengths, offsets, drift, row_to_request, scaffold_lengths, learned_scores,
+    out, counters, mismatch_rows, *layer_args(...))``, returns ``[out, counters]``. For a
+    caller that fixes ``args`` once and calls per step (a layer object)."""
+    return _KERNEL.load().run_layer

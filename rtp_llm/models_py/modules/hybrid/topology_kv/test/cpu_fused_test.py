@@ -136,3 +136,27 @@ def test_mismatch_rows_flags_the_broken_rows():
     flags = torch.zeros(3, dtype=torch.bool)
     KERNEL(x, _t([2, 2, 2]), None, None, None, None, mismatch_rows=flags, **_kw(ENABLED_MODES[0], 2))
     assert flags.tolist() == [False, True, True]
+
+
+@pytest.mark.parametrize("mode", ENABLED_MODES)
+def test_calls_of_other_shapes_in_turn(mode):
+    """The kernel keeps its scratch per thread between calls (buffers only grow): calls of
+    large and small layouts in turn (witness count, drift columns, width, block size) each
+    equal the core, so nothing one call leaves behind reaches the next."""
+    gen = torch.Generator().manual_seed(23)
+    shapes = [  # (W, L, block_size, witness_blocks, local_blocks); the same layout with fewer
+        # witnesses right after more: its rows hit blocks the previous call's witnesses held
+        (64, 900, 8, 12, 2), (64, 900, 8, 2, 2), (64, 900, 8, 12, 2), (16, 120, 4, 1, 1), (8, 40, 2, 3, 0),
+        (32, 600, 16, 6, 1), (16, 120, 4, 1, 1), (64, 900, 8, 12, 2),
+    ]
+    for i, (W, L, bs, wit, loc) in enumerate(shapes):
+        R = 3
+        x = torch.stack([torch.randperm(L, generator=gen)[:W] for _ in range(R)]).to(torch.int32)
+        x[0] = torch.arange(L - W, L)  # the newest tokens: no injection needed
+        lengths = torch.full((R,), L)
+        drift = torch.rand(R, (L + bs - 1) // bs, generator=gen)
+        scores = torch.rand(R, W, generator=gen) if i % 2 else None
+        got = check_equal(KERNEL, x, lengths, drift=drift, scores=scores, scaffold=lengths // 2,
+                          **_kw(mode, W, block_size=bs, sink_tokens=3, local_blocks=loc, witness_blocks=wit,
+                                frac=0.5))
+        assert (got != x).any(), f"call {i}: the policy changed no row"

@@ -167,3 +167,40 @@ def test_cpu_layer_call_is_one_cpp_entry_with_checks_in_cpp():
         layer.run(rows, torch.tensor([40.0, 40.0]))
     with pytest.raises(ValueError, match=r"drift: expected a float tensor \[2, N\] on cpu, got \[3, 5\]"):
         layer.run(rows, L, None, torch.rand(3, 5))
+
+
+@pytest.mark.skipif(not can_use_backend(TopologyKVBackend.CPU_FUSED, DEVICE), reason="the fused CPU kernel")
+@pytest.mark.parametrize("mode", ENABLED)
+def test_the_direct_kernel_call_equals_the_public_entry(mode):
+    """With the fused CPU kernel a call on rows of the layer's width is one direct call of the
+    compiled op (run_layout is not reached): offsets, drift through the row map, scores, a
+    step plan (compress mode's scaffold spans, its fingerprints) and caller buffers."""
+    from rtp_llm.models_py.modules.hybrid.topology_kv.config import CoordinateMismatchAction
+    from rtp_llm.models_py.modules.hybrid.topology_kv.request import TopologyRequestContext, TopologyStepPlan
+
+    W = 24
+    settings_ = _settings(mode, TopologyKVBackend.CPU_FUSED, max_structural_fraction=0.5)
+    layer = TopologyKVLayerPolicy.build(settings_, layer_idx=0, width=W, device=DEVICE)
+    assert layer.kernel is not None
+    raising = _settings(mode, TopologyKVBackend.CPU_FUSED,
+                        coordinate_mismatch_action=CoordinateMismatchAction.RAISE)
+    assert TopologyKVLayerPolicy.build(raising, layer_idx=0, width=W, device=DEVICE).kernel is None
+    gen = torch.Generator().manual_seed(5)
+    lengths, offsets = torch.tensor([60, 90, 33]), torch.tensor([0, 100, 7])
+    rows = torch.stack([torch.randperm(int(n), generator=gen)[:W] + int(o) for n, o in zip(lengths, offsets)])
+    rows, lengths, offsets = rows.to(torch.int32).to(DEVICE), lengths.to(DEVICE), offsets.to(DEVICE)
+    r2r = torch.tensor([1, 0, 1], device=DEVICE)
+    drift = torch.rand(2, 12, generator=gen).to(DEVICE)
+    scores = torch.rand(3, W, generator=gen).to(DEVICE)
+    contexts = [TopologyRequestContext(scaffold_token_ids=tuple(range(n))) for n in (40, 17)]
+    plan = TopologyStepPlan.build(settings_.policy, W, contexts, num_rows=3, row_to_request=r2r, device=DEVICE)
+    out, counters = torch.empty_like(rows), torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    with mock.patch.object(layer_module, "run_layout", side_effect=AssertionError("not the direct call")):
+        got = layer.run(rows, lengths, offsets, drift, r2r, learned_scores=scores, plan=plan, out=out,
+                        counters_out=counters)
+    want = apply_topology_kv_policy(rows, lengths, config=settings_.policy, topk_indices_offset=offsets,
+                                    block_drift_scores=drift, row_to_request=r2r, learned_scores=scores, plan=plan)
+    assert got.indices is out and torch.equal(out, want.indices) and not torch.equal(out, rows)
+    assert got.counters.to_dict() == want.counters.to_dict()
+    assert got.fingerprints == want.fingerprints and len(got.fingerprints) == 2
+    assert counters.tolist() == [want.counters.to_dict()[n] for n in layout_module.COUNTER_NAMES]
