@@ -2,7 +2,11 @@
 
 For each mode, row count ``R`` and context length ``L`` (width ``W`` = 2048) it times,
 side by side in one process, interleaved round by round (so a noisy machine slows every
-column alike; medians over rounds; inputs are warm in cache, a few MiB):
+column alike; medians over rounds). Every call is timed twice per round: *cold*, right after
+the caches were evicted (:mod:`benchmark.candidates.cache_eviction`: between two policy
+calls of a decode step a whole model layer streams through the caches), the serving-like
+figure every ``*_ms`` / ``*_us`` / ratio column and every target reads; and *warm*, straight
+after it, the best case, in the ``*_warm_*`` columns beside:
 
 * ``policy``     ``apply_topology_kv_policy`` (``FALLBACK_DISABLED``: no host sync) on each
                  ``--backend``: ``torch`` (eager ops), ``compiled`` (torch.compile),
@@ -42,7 +46,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 
 import torch
@@ -59,6 +63,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.layer import TopologyKVLayerPo
 from rtp_llm.models_py.modules.hybrid.topology_kv.policy import apply_topology_kv_policy
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import can_use_backend, resolve_backend
 from benchmark.cli_checks import FlagError, check_output_file, given_flags
+from benchmark.candidates.cache_eviction import CacheEvictor
 from benchmark.candidates.witness import (
     query_bound_scores_unchecked,
     query_centroid_scores_unchecked,
@@ -70,7 +75,7 @@ BACKENDS = [b.value for b in TopologyKVBackend if b is not TopologyKVBackend.AUT
 COLUMNS = [
     "mode", "backend", "rows", "seq_len", "width", "learned_scores", "policy_us", "policy_ms", "policy_p10_ms", "policy_p90_ms",
     "topk_ms", "copy_ms", "reference_ms", "policy_over_topk", "policy_over_copy", "per_row_us",
-    "layer_us", "layer_over_topk",
+    "layer_us", "layer_over_topk", "layer_warm_us", "topk_warm_ms", "layer_over_topk_warm",
     "witness_query_centroid_ms", "witness_query_mass_ms", "witness_query_bound_ms",
 ]
 # DeepSeek-V3.2's indexer: 64 heads of dim 128 (the query-centroid witness signal uses
@@ -180,16 +185,20 @@ def time_ms(fn: Callable[[], object], device: torch.device, rounds: int, warmup:
 
 
 def time_interleaved(fns: Dict[str, Callable[[], object]], device: torch.device, rounds: int,
-                     warmup: int) -> Dict[str, List[float]]:
-    """Per-call ms of each function, called in turn within every round (interleaved)."""
+                     warmup: int, evict: Callable[[], None]) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
+    """``(cold, warm)`` per-call ms of each function, called in turn within every round
+    (interleaved): cold right after ``evict()``, warm straight after the cold call."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    times = {name: [] for name in fns}
+    cold = {name: [] for name in fns}
+    warm = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].extend(time_ms(fn, device, 1, 0))
-    return times
+            evict()
+            cold[name].extend(time_ms(fn, device, 1, 0))
+            warm[name].extend(time_ms(fn, device, 1, 0))
+    return cold, warm
 
 
 def synthetic_rows(rows: int, length: int, width: int, gen: torch.Generator) -> torch.Tensor:
@@ -212,8 +221,9 @@ def _pct(values: List[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
 
 
-def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
+def run(args: argparse.Namespace, log=print, evict: Optional[CacheEvictor] = None) -> List[Dict[str, object]]:
     device = args.device
+    evict = evict or CacheEvictor(device)
     gen = torch.Generator().manual_seed(args.seed)
     W = args.width
     results = []
@@ -283,10 +293,12 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
                     compile_s = time.perf_counter() - t0
                 else:
                     compile_s = None
-                all_times = time_interleaved(fns, device, args.rounds, args.warmup)
+                all_times, warm_times = time_interleaved(fns, device, args.rounds, args.warmup, evict)
+                warm = {name: statistics.median(t) for name, t in warm_times.items()}
                 copy_ms = statistics.median(all_times.pop("copy"))
                 topk_times = all_times.pop("topk", None)
                 topk_ms = None if topk_times is None else statistics.median(topk_times)
+                topk_warm = warm.get("topk")
                 layer_times = {b: all_times.pop(LAYER_PREFIX + b) for b in args.backend}
                 n_ref = min(R, args.reference_rows)
                 xr, lr = x[:n_ref].cpu(), lengths[:n_ref].cpu()
@@ -302,6 +314,7 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
                 for backend, times in all_times.items():
                     policy_ms = statistics.median(times)
                     layer_ms = statistics.median(layer_times[backend])
+                    layer_warm = warm[LAYER_PREFIX + backend]
                     results.append({
                         "mode": cfg.policy.value,
                         "backend": backend,
@@ -323,6 +336,12 @@ def run(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
                         "layer_us": layer_ms * 1e3,
                         "layer_ms": layer_ms,
                         "layer_over_topk": None if topk_ms is None else layer_ms / topk_ms,
+                        "policy_warm_us": warm[backend] * 1e3,
+                        "layer_warm_us": layer_warm * 1e3,
+                        "topk_warm_ms": topk_warm,
+                        "copy_warm_ms": warm["copy"],
+                        "policy_over_topk_warm": None if topk_warm is None else warm[backend] / topk_warm,
+                        "layer_over_topk_warm": None if topk_warm is None else layer_warm / topk_warm,
                         "compile_s": compile_s if backend == "compiled" else None,
                         "witness_query_centroid_ms": witness_ms,
                         "witness_query_mass_ms": mass_ms,
@@ -391,8 +410,9 @@ def _call_ms(row: Dict[str, object]) -> float:
 TRACKER_BATCHES = (1, 8, 64)  # decode rows per tracker update (one key per request)
 
 
-def time_tracker_update(device: torch.device, rounds: int, warmup: int, key_dim: int = 128,
-                        context: int = 8192, block_size: int = 64) -> List[Dict[str, object]]:
+def time_tracker_update(device: torch.device, rounds: int, warmup: int, evict: Callable[[], None],
+                        key_dim: int = 128, context: int = 8192,
+                        block_size: int = 64) -> List[Dict[str, object]]:
     """A decode step's key store plus drift tracker update per layer call, interleaved:
     ``BlockDriftTracker.update`` (its :attr:`kernel`: one C++ call on CPU, two Triton
     launches on CUDA) beside ``update_reference`` (torch ops), for batches of
@@ -417,10 +437,12 @@ def time_tracker_update(device: torch.device, rounds: int, warmup: int, key_dim:
         slots = req * blocks * block_size + pos
         fns = {"fused": lambda: tracker.update(keys, pos, req, pool=pool, slots=slots),
                "torch": lambda: tracker.update_reference(keys, pos, req, pool=pool, slots=slots)}
-        times = time_interleaved(fns, device, max(rounds, 20), warmup)
+        times, warm = time_interleaved(fns, device, max(rounds, 20), warmup, evict)
         fused_us, torch_us = (1e3 * statistics.median(times[k]) for k in ("fused", "torch"))
+        fused_warm, torch_warm = (1e3 * statistics.median(warm[k]) for k in ("fused", "torch"))
         out.append({"batch": B, "key_dim": key_dim, "kernel": tracker.kernel, "update_us": fused_us,
-                    "reference_us": torch_us, "speedup": torch_us / fused_us})
+                    "reference_us": torch_us, "speedup": torch_us / fused_us,
+                    "update_warm_us": fused_warm, "reference_warm_us": torch_warm})
     return out
 
 
@@ -445,26 +467,31 @@ def environment(device: torch.device) -> Dict[str, object]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    results = run(args)
+    evict = CacheEvictor(args.device)
+    results = run(args, evict=evict)
+    print(f"# cold: each call right after writing {evict.nbytes >> 20} MiB (twice the largest cache, from "
+          f"{evict.source}); warm: the same call straight after; targets read the cold figures")
     print("\t".join(COLUMNS))
     for r in results:
         print("\t".join(_fmt(r[c]) for c in COLUMNS))
     checks = evaluate_targets(results)
     for c in checks:
         print(f"{'PASS' if c['passed'] else 'FAIL'}\t{c['target']}\t{c['value']:.3f} (bound {c['bound']})")
-    tracker = time_tracker_update(args.device, args.rounds, args.warmup)
+    tracker = time_tracker_update(args.device, args.rounds, args.warmup, evict)
     print("\nkey store + drift tracker update per layer call (update: one fused call, C++ on CPU, Triton on CUDA; "
-          "reference: torch ops)")
-    print("batch\tkey_dim\tkernel\tupdate_us\treference_us\tspeedup")
+          "reference: torch ops; cold, warm beside)")
+    print("batch\tkey_dim\tkernel\tupdate_us\treference_us\tspeedup\tupdate_warm_us\treference_warm_us")
     for t in tracker:
         print(f"{t['batch']}\t{t['key_dim']}\t{t['kernel']}\t{t['update_us']:.1f}\t{t['reference_us']:.1f}\t"
-              f"{t['speedup']:.1f}x")
+              f"{t['speedup']:.1f}x\t{t['update_warm_us']:.1f}\t{t['reference_warm_us']:.1f}")
     if args.json:
         path = args.json
         if not os.path.isabs(path) and os.environ.get("BUILD_WORKING_DIRECTORY"):
             path = os.path.join(os.environ["BUILD_WORKING_DIRECTORY"], path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        payload = {"environment": environment(args.device), "args": {k: str(v) for k, v in vars(args).items()},
+        payload = {"environment": {**environment(args.device), "cache": {"timing": "cold (headline), warm beside",
+                                                                          **evict.describe()}},
+                   "args": {k: str(v) for k, v in vars(args).items()},
                    "rows": results, "targets": checks, "tracker_update": tracker}
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)

@@ -21,8 +21,9 @@ def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
     )
     assert rc == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split("\t") == bench.COLUMNS
-    grid = out[1:out.index("")]  # the policy grid and its targets; the tracker table follows
+    assert out[0].startswith("# cold: each call right after writing ") and "targets read the cold figures" in out[0]
+    assert out[1].split("\t") == bench.COLUMNS
+    grid = out[2:out.index("")]  # the policy grid and its targets; the tracker table follows
     rows = [line.split("\t") for line in grid if not line.startswith(("PASS", "FAIL"))]
     backends = bench.parse_args(["--device", DEVICE]).backend
     assert backends[0] == "torch" and len(backends) >= 1
@@ -35,12 +36,17 @@ def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
         assert row["policy_over_topk"] == pytest.approx(row["policy_ms"] / row["topk_ms"])
         assert row["layer_ms"] > 0 and row["layer_us"] == pytest.approx(row["layer_ms"] * 1e3)
         assert row["layer_over_topk"] == pytest.approx(row["layer_ms"] / row["topk_ms"])
+        assert row["layer_warm_us"] > 0 and row["policy_warm_us"] > 0 and row["copy_warm_ms"] > 0
+        assert row["layer_over_topk_warm"] == pytest.approx(row["layer_warm_us"] / 1e3 / row["topk_warm_ms"])
+    cache = payload["environment"]["cache"]
+    assert cache["evict_bytes"] > 0 and cache["timing"] == "cold (headline), warm beside"
     tail = out[out.index("") + 1:]
     assert tail[0].startswith("key store + drift tracker update per layer call")
-    assert tail[1].split("\t") == ["batch", "key_dim", "kernel", "update_us", "reference_us", "speedup"]
+    assert tail[1].split("\t") == ["batch", "key_dim", "kernel", "update_us", "reference_us", "speedup",
+                                   "update_warm_us", "reference_warm_us"]
     assert [line.split("\t")[0] for line in tail[2:]] == [str(b) for b in bench.TRACKER_BATCHES]
     for t in payload["tracker_update"]:
-        assert t["update_us"] > 0 and t["reference_us"] > 0
+        assert t["update_us"] > 0 and t["reference_us"] > 0 and t["update_warm_us"] > 0
         assert t["kernel"] == {"cpu": "cpu", "cuda": "triton"}[DEVICE]  # the device's fused kernel
 
 
@@ -115,3 +121,13 @@ def test_cuda_without_gpu_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cuda"])
     assert "--device cuda" in capsys.readouterr().err
+
+
+def test_rounds_time_each_call_cold_after_an_eviction_then_warm():
+    """Every round: evict, the cold call, the warm call, for each function in turn."""
+    events = []
+    fns = {"a": lambda: events.append("a"), "b": lambda: events.append("b")}
+    cold, warm = bench.time_interleaved(fns, torch.device("cpu"), rounds=2, warmup=1,
+                                        evict=lambda: events.append("evict"))
+    assert events == ["a", "b"] + ["evict", "a", "a", "evict", "b", "b"] * 2
+    assert [len(cold[k]) for k in fns] == [2, 2] and [len(warm[k]) for k in fns] == [2, 2]
