@@ -286,14 +286,29 @@ class BlockDriftTracker:
         """
         T = self._check_update(keys, positions, request_ids, pool, slots)
         kernel = self.kernel
-        if kernel != "torch" and self._kernel_takes(keys, positions, request_ids, pool, slots):
-            run = cpu_drift.track_keys_cpu if kernel == "cpu" else triton_drift.track_keys_triton
-            run(
+        if kernel == "cpu" and self._cpu_takes(keys, positions, request_ids, pool, slots):
+            # The keys as they come ([T, D] or [T, H, D]): a reshape is a dispatched op, which
+            # costs tens of microseconds with the caches cold, as between two layers.
+            cpu_drift.track_keys_cpu(
+                keys, positions, request_ids, self._sums, self._counts, self._drift_flat,
+                block_size=self.block_size, cosine=self.metric is DriftMetric.COSINE, pool=pool, slots=slots,
+            )
+            return
+        if kernel == "triton" and self._kernel_takes(keys, positions, request_ids, pool, slots):
+            triton_drift.track_keys_triton(
                 keys.reshape(T, self.key_dim), positions, request_ids, self._sums, self._counts, self._drift_flat,
                 block_size=self.block_size, cosine=self.metric is DriftMetric.COSINE, pool=pool, slots=slots,
             )
             return
         self._update_torch(keys, positions, request_ids, pool, slots)
+
+    @staticmethod
+    def _cpu_takes(keys, positions, request_ids, pool, slots) -> bool:
+        """:meth:`_kernel_takes` for CPU state, by tensor properties only (no device objects)."""
+        if not (keys.is_cpu and positions.is_cpu and (request_ids is None or request_ids.is_cpu)):
+            return False
+        return pool is None or (pool.is_cpu and slots.is_cpu and pool.dtype in cpu_drift.POOL_DTYPES
+                                and pool.stride(1) == 1 and keys.dtype in cpu_drift.EXACT_IN_FP32)
 
     def _kernel_takes(self, keys, positions, request_ids, pool, slots) -> bool:
         """Whether the fused kernel takes these inputs (metadata only): all on the state's

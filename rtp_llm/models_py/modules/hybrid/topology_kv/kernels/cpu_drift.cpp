@@ -67,9 +67,12 @@ inline float pair_drift(const float* sum_prev, float count_prev, const float* su
 void track(torch::Tensor keys, torch::Tensor positions, c10::optional<torch::Tensor> request_ids,
            torch::Tensor sums, torch::Tensor counts, torch::Tensor drift, int64_t block_size, bool cosine,
            c10::optional<torch::Tensor> pool, c10::optional<torch::Tensor> slots) {
-  const int64_t T = keys.size(0), K = keys.size(1);
-  const int64_t B = sums.size(0), N = sums.size(1) - 1;
-  TORCH_CHECK(keys.is_contiguous() && keys.scalar_type() == at::kFloat, "keys: expected fp32 contiguous");
+  // keys [T, ...] with K values per token (e.g. [T, K] or [T, 1, K]): read flat, no reshape.
+  const int64_t B = sums.size(0), N = sums.size(1) - 1, K = sums.size(2);
+  const int64_t T = keys.dim() == 0 ? 0 : keys.size(0);
+  TORCH_CHECK(keys.is_contiguous() && keys.scalar_type() == at::kFloat && keys.dim() >= 1 && keys.numel() == T * K,
+              "keys: expected fp32 contiguous [T, ...] with ", K, " values per token, got ", keys.scalar_type(), " ",
+              keys.sizes());
   TORCH_CHECK(sums.is_contiguous() && counts.is_contiguous() && drift.is_contiguous(),
               "tracker state: expected contiguous tensors");
   // Validate every index before the first write.

@@ -57,7 +57,8 @@ def track_keys_cpu(
     pool: Optional[torch.Tensor] = None,
     slots: Optional[torch.Tensor] = None,
 ) -> None:
-    """Store ``keys`` ``[T, K]`` at ``pool[slots]`` (when ``pool`` ``[S, K]`` is given) and add
+    """Store ``keys`` ``[T, K]`` (or ``[T, ..., K]``: read flat, ``K`` values per token) at
+    ``pool[slots]`` (when ``pool`` ``[S, K]`` is given) and add
     them to the tracker state ``sums`` ``[B, N + 1, K]`` / ``counts`` ``[B, N + 1]`` /
     ``drift_flat`` ``[B * N + 1]`` (fp32, contiguous, CPU), in place.
 

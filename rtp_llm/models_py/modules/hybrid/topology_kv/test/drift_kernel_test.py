@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import struct
+from unittest import mock
 
 import pytest
 import torch
@@ -470,3 +471,29 @@ def test_triton_update_captured_in_a_cuda_graph():
         ref.update_reference(keys[p], pos, req, pool=pools[1], slots=slots[p])
     torch.cuda.synchronize()
     _check_same_state(dev, ref, pools)
+
+
+@cpu_only
+def test_multi_head_keys_go_to_the_kernel_as_they_come():
+    """Keys ``[T, H, D]`` reach the C++ call unreshaped (read flat, ``H * D`` per token) and
+    give the reference's state and pool bit for bit; the kernel names a wrong key size."""
+    from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_drift
+
+    gen = torch.Generator().manual_seed(4)
+    fused = BlockDriftTracker(2, 6, 8, block_size=4, metric=DriftMetric.COSINE)
+    ref = fused.clone()
+    pools = [torch.zeros(64, 8, dtype=torch.bfloat16) for _ in range(2)]
+    for step in range(6):
+        keys = torch.randn(4, 2, 4, generator=gen)  # [T, H, D], H * D = 8: one whole block per step
+        pos, req = torch.arange(4 * step, 4 * step + 4), torch.tensor([step // 3] * 4)
+        slots = torch.arange(4 * step, 4 * step + 4) + 33 * (step // 3)
+        with mock.patch.object(torch.Tensor, "reshape", side_effect=AssertionError("reshaped")):
+            fused.update(keys, pos, req, pool=pools[0], slots=slots)
+        ref.update_reference(keys, pos, req, pool=pools[1], slots=slots)
+    assert torch.equal(fused._sums, ref._sums) and torch.equal(fused._counts, ref._counts)
+    assert torch.equal(fused.drift_scores(), ref.drift_scores()) and torch.equal(pools[0], pools[1])
+    assert bool((fused.drift_scores() != 0).any())
+    with pytest.raises(RuntimeError, match=r"keys: expected fp32 contiguous \[T, \.\.\.\] with 8 values per token, "
+                                           r"got Float \[2, 7\]"):
+        cpu_drift.track_keys_cpu(torch.ones(2, 7), pos[:2], req[:2], fused._sums, fused._counts, fused._drift_flat,
+                                 block_size=4, cosine=True)
