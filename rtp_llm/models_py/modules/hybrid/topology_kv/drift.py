@@ -303,12 +303,18 @@ class BlockDriftTracker:
         self._update_torch(keys, positions, request_ids, pool, slots)
 
     @staticmethod
-    def _cpu_takes(keys, positions, request_ids, pool, slots) -> bool:
+    def _pool_takes(keys, pool) -> bool:
+        """A pool the fused kernels store into: a supported dtype, unit stride along ``K``,
+        keys exact in fp32 (or no pool)."""
+        return pool is None or (pool.dtype in cpu_drift.POOL_DTYPES and pool.stride(1) == 1
+                                and keys.dtype in cpu_drift.EXACT_IN_FP32)
+
+    @classmethod
+    def _cpu_takes(cls, keys, positions, request_ids, pool, slots) -> bool:
         """:meth:`_kernel_takes` for CPU state, by tensor properties only (no device objects)."""
         if not (keys.is_cpu and positions.is_cpu and (request_ids is None or request_ids.is_cpu)):
             return False
-        return pool is None or (pool.is_cpu and slots.is_cpu and pool.dtype in cpu_drift.POOL_DTYPES
-                                and pool.stride(1) == 1 and keys.dtype in cpu_drift.EXACT_IN_FP32)
+        return pool is None or (pool.is_cpu and slots.is_cpu and cls._pool_takes(keys, pool))
 
     def _kernel_takes(self, keys, positions, request_ids, pool, slots) -> bool:
         """Whether the fused kernel takes these inputs (metadata only): all on the state's
@@ -319,8 +325,7 @@ class BlockDriftTracker:
             return False
         if self.kernel == "triton" and keys.reshape(keys.shape[0], self.key_dim).stride(-1) != 1:
             return False
-        return pool is None or (pool.dtype in cpu_drift.POOL_DTYPES and pool.stride(1) == 1
-                                and keys.dtype in cpu_drift.EXACT_IN_FP32)
+        return self._pool_takes(keys, pool)
 
     def update_reference(
         self,

@@ -521,7 +521,8 @@ void check_vector(const char* name, const at::Tensor& t, int64_t R) {
 // [R] (every entry checked in [0, B) before any row runs), or [R, N] without it; learned
 // scores read as fp32; out and counters the caller's (counters accumulate) or allocated
 // here, straight from the CPU allocator (a dispatched at::empty / at::zeros costs tens of
-// microseconds when its code is cold, as between two layers of a decode step); mismatch_rows [R] bool, when given, set to the broken-row flags. Returns (out, counters).
+// microseconds when its code is cold, as between two layers of a decode step);
+// mismatch_rows [R] bool, when given, set to the broken-row flags. Returns (out, counters).
 std::vector<at::Tensor> run_layer(const at::Tensor& x, const at::Tensor& lengths,
                                   const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& drift_in,
                                   const c10::optional<at::Tensor>& row_to_request,
