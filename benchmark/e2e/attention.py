@@ -22,6 +22,7 @@ from benchmark.e2e.clock import Clock
 from benchmark.e2e.layout import LayerPools, VariantState, rows_to_slots
 from rtp_llm.models_py.modules.hybrid.indexer import TopologyStepCounters
 from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerAttentionInputs, IndexerFmhaParams
+from rtp_llm.models_py.modules.hybrid.indexer_share import SharedTopkRows
 
 ATTENTION_NAME = "topology_kv_decode"
 PLAN_KWARG = "topology_kv_decode_plan"
@@ -48,6 +49,7 @@ class StepPlan:
     attn: Optional[IndexerAttentionInputs] = None
     weights: Optional[torch.Tensor] = None  # [R, Hi] fp32
     counters: Optional[TopologyStepCounters] = None
+    shared_rows: Optional[SharedTopkRows] = None  # the scanning layers' op rows (shared-scan variants)
     dense_mask: Optional[torch.Tensor] = None  # bool [B, 1, T, P + Tc], built once per step
     # prefill
     prefill_k: Optional[Dict[int, torch.Tensor]] = None  # layer -> [C, Hkv, D]
@@ -175,6 +177,13 @@ def _decode_attention(plan: StepPlan, layer: int, query, key, value, scale, wind
     q_rows = q.reshape(R, H, D)
     tracker = st.trackers[layer] if indexer.reads_drift else None
     hidden = plan.layer_hidden.pop(layer, None)
+    if indexer.shares_rows_of is not None:  # the scanning layer's rows: no indexer key written or read
+        if tracker is not None:
+            tracker.update(k_new, plan.positions, plan.request_ids)
+        rows = indexer._compute_topk(None, None, None, plan.fmha, plan.attn, None, drift_tracker=tracker,
+                                     topology_counters=plan.counters, shared_rows=plan.shared_rows)
+        plan.timers["policy"] += clock() - t0
+        return _sparse_attention(plan, st, pools, layer, q_rows, k_new, v_new, rows, scale).view(B, T, H, D)
     if pools.proxy.reads_hidden:  # the trained indexer: q, k and weights from the attention input
         h = hidden.reshape(R, hidden.shape[-1])  # [B, T, C] -> [R, C], request-major like the rows
         q_index, index_keys, weights = pools.proxy.from_hidden(indexer, h, plan.positions)
@@ -185,7 +194,8 @@ def _decode_attention(plan: StepPlan, layer: int, query, key, value, scale, wind
                            positions=plan.positions, request_ids=plan.request_ids)
     t1 = clock()
     rows = indexer._compute_topk(q_index, weights, pools.index_cache, plan.fmha, plan.attn, None,
-                                 drift_tracker=tracker, topology_counters=plan.counters)
+                                 drift_tracker=tracker, topology_counters=plan.counters,
+                                 shared_rows=plan.shared_rows)
     t2 = clock()
     scan_s = (t1 - t0) + indexer.last_op_s
     if indexer.scan:
@@ -193,15 +203,21 @@ def _decode_attention(plan: StepPlan, layer: int, query, key, value, scale, wind
         plan.timers["policy"] += (t2 - t1) - indexer.last_op_s
     else:  # no scan: the key write only feeds the drift the policy reads
         plan.timers["policy"] += t2 - t0
-    t0 = clock()
+    return _sparse_attention(plan, st, pools, layer, q_rows, k_new, v_new, rows, scale).view(B, T, H, D)
+
+
+def _sparse_attention(plan: StepPlan, st: VariantState, pools: LayerPools, layer: int, q_rows, k_new, v_new,
+                      rows, scale) -> torch.Tensor:
+    """Store the step's K/V, then each row over its selected tokens (``[R, H, D]``); timed."""
+    t0 = plan.clock()
     pools.flat(pools.k)[plan.slots] = k_new
     pools.flat(pools.v)[plan.slots] = v_new
     slots = rows_to_slots(rows, st.block_table, plan.request_ids)
     out, attended = sparse_decode_attention(q_rows, pools.flat(pools.k), pools.flat(pools.v), slots, scale)
-    plan.timers["attention"] += clock() - t0
+    plan.timers["attention"] += plan.clock() - t0
     plan.attended.append(attended.sum())
     plan.sparse_attended.append(plan.attended[-1])
-    return out.view(B, T, H, D)
+    return out
 
 
 def decode_attention_hook(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

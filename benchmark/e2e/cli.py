@@ -39,7 +39,7 @@ from benchmark.quality.text import NOVELS
 # The command line's own names, and those the tests and the validation report import from here.
 from benchmark.e2e.attention import ATTENTION_NAME  # noqa: F401
 from benchmark.e2e.decode import build_batch, decode_batch, kv_geometry, step_inputs  # noqa: F401
-from benchmark.e2e.indexers import DSA_RATIO, PRESETS, VARIANTS, resolve_indexer_shape  # noqa: F401
+from benchmark.e2e.indexers import DSA_RATIO, PRESETS, VARIANTS, check_variant, resolve_indexer_shape  # noqa: F401
 from benchmark.e2e.layout import Layout, request_lengths, rows_to_slots, slots_of  # noqa: F401
 from benchmark.e2e.policy_counters import format_counter_table  # noqa: F401
 from benchmark.e2e.report import format_merged, format_table, format_targets, targets, write_merged  # noqa: F401
@@ -59,7 +59,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=16, help="decode steps N per variant")
     p.add_argument("--warmup", type=int, default=2, help="first decode steps left out of the timings")
     p.add_argument("--budget", type=int, default=1024, help="selected tokens per row W (same for every variant)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"subset of {list(VARIANTS)}")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                   help=f"subset of {list(VARIANTS)}, plus shared indexer scans: learned-shared:K (every K-th "
+                        "sparse layer scans, the others reuse its rows) and learned-shared:K+<merge mode>")
     p.add_argument("--indexer", default="trained", choices=("trained", "proxy"),
                    help="trained: the learned variants rank with the trained indexer (--indexer-checkpoint, default "
                         "the one shipped for the model); proxy: the untrained proxy of --indexer-preset (a null model)")
@@ -106,9 +108,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--warmup: expected 0 <= warmup < --new-tokens ({args.new_tokens}), got {args.warmup}")
     if args.budget < 1:
         p.error(f"--budget: expected >= 1, got {args.budget}")
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        p.error(f"--variants: unknown {unknown}; expected a subset of {list(VARIANTS)}")
+    for v in args.variants:
+        try:
+            check_variant(v)
+        except ValueError as err:
+            p.error(f"--variants: {err}")
     args.variants = ["dense"] + [v for v in args.variants if v != "dense"]  # ratios need the baseline
     return args
 

@@ -24,7 +24,7 @@ import torch
 
 from benchmark.e2e.attention import PARTS, PLAN_KWARG, StepPlan, dense_mask
 from benchmark.e2e.clock import phase_clock
-from benchmark.e2e.indexers import IndexerShape, ProxyIndexer, TrainedIndexerInputs, make_indexer
+from benchmark.e2e.indexers import IndexerShape, ProxyIndexer, TrainedIndexerInputs, make_indexer, share_plan
 from benchmark.e2e.layout import LayerPools, Layout, VariantState, slots_of
 from benchmark.e2e.memory import measure_step_memory, tensor_bytes
 from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY, step_totals
@@ -34,6 +34,7 @@ from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerFmhaParams,
     IndexerKeyCache,
 )
+from rtp_llm.models_py.modules.hybrid.indexer_share import SharedTopkRows
 from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
 
 PREFILL_CHUNK = 1024  # prefill query tokens per forward (bounds the [H, T, L] logits)
@@ -41,6 +42,16 @@ PREFILL_CHUNK = 1024  # prefill query tokens per forward (bounds the [H, T, L] l
 
 def attention_layers(model) -> List[int]:
     return list(range(model.config.num_hidden_layers))
+
+
+def sparse_layers(model) -> List[int]:
+    """The layers whose decode attention is sparse: every layer, or the full-attention ones
+    of a model with sliding-window layers (``config.layer_types``; those stay dense)."""
+    types = getattr(model.config, "layer_types", None)
+    layers = attention_layers(model)
+    if not types:
+        return layers
+    return [i for i in layers if types[i] == "full_attention"]
 
 
 def kv_geometry(model):
@@ -130,6 +141,8 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
     pos = torch.cat([torch.arange(c, dtype=torch.int64, device=dev) for c in context_lens])
     in_shared = pos < torch.tensor(layout.shared_lens, dtype=torch.int64, device=dev)[req]
     own_req, own_pos = req[~in_shared], pos[~in_shared]  # each variant's private partial blocks
+    sparse = sparse_layers(model)
+    plans = {name: share_plan(name, sparse) for name in variants}
     for layer in attention_layers(model):
         if trained is not None:
             proxy = TrainedIndexerInputs(trained[layer])
@@ -145,15 +158,25 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
         pool.flat(pool.k)[shared_slots] = K[layer][pos[in_shared]]
         pool.flat(pool.v)[shared_slots] = V[layer][pos[in_shared]]
         base: Optional[BlockDriftTracker] = None
+        attention_drift: Optional[BlockDriftTracker] = None
         for name, st in states.items():
             slots = slots_of(st.block_table, own_req, own_pos, pg)
             pool.flat(pool.k)[slots] = K[layer][own_pos]
             pool.flat(pool.v)[slots] = V[layer][own_pos]
+            share = plans[name] if layer in sparse else None
             indexer = make_indexer(name, shape, width, layer, dev,
-                                   projections=None if trained is None else trained[layer])
+                                   projections=None if trained is None else trained[layer], share=share)
             st.indexers[layer] = indexer
             st.trackers[layer] = None
             if indexer is None:
+                continue
+            if indexer.shares_rows_of is not None:  # no indexer keys: its drift reads the attention keys
+                if indexer.reads_drift:
+                    if attention_drift is None:
+                        attention_drift = BlockDriftTracker(layout.batch, layout.max_blocks, Hkv * D,
+                                                            block_size=pg, device=dev)
+                        attention_drift.update(K[layer][pos], pos, req)
+                    st.trackers[layer] = attention_drift.clone()
                 continue
             if base is None:  # the first indexer variant writes every key through write_keys, feeding drift
                 base = BlockDriftTracker(layout.batch, layout.max_blocks, shape.dim, block_size=pg, device=dev)
@@ -196,7 +219,9 @@ def step_inputs(run: BatchRun, st: VariantState, tokens: torch.Tensor) -> Tuple[
     plan = StepPlan("decode", run.pools, st, slots=slots, positions=flat_pos, request_ids=request_ids,
                     row_lengths=row_lengths, shared_lens=shared_lens, fmha=fmha, attn=attn,
                     weights=torch.full((B * T, run.shape.heads), 1.0 / run.shape.heads, device=dev),
-                    counters=TopologyStepCounters(), clock=L.clock)
+                    counters=TopologyStepCounters(), clock=L.clock,
+                    shared_rows=SharedTopkRows() if any(
+                        i is not None and i.shares_rows_of is not None for i in st.indexers.values()) else None)
     if any(i is None for i in st.indexers.values()):
         plan.dense_mask = dense_mask(shared_lens, row_lengths, L.shared_tokens, L.tail_tokens)
     return plan, tokens, positions
@@ -222,7 +247,7 @@ def decode_step(model, run: BatchRun, st: VariantState, tokens: torch.Tensor, me
     timers["rest"] = max(0.0, total - sum(timers[p] for p in PARTS if p != "rest"))
     st.lens = [n + tokens.shape[1] for n in st.lens]
     kv_after = sum(st.lens)
-    n_scan = sum(1 for i in st.indexers.values() if i is not None and i.scan)
+    n_scan = sum(1 for i in st.indexers.values() if i is not None and i.scan and i.shares_rows_of is None)
     n_dense = sum(1 for i in st.indexers.values() if i is None)
     step = {"total_s": total, **{f"{p}_s": timers[p] for p in PARTS},
             "attended_tokens": _host_sum(plan.attended),  # over rows and layers

@@ -14,12 +14,18 @@ Variants, one budget ``W`` (``--budget``):
 * ``learned+<mode>``     the same ``Indexer`` with the topology policy enabled for ``mode``;
 * ``topology_only_noscan`` an ``Indexer`` whose decode op does no scan (it returns the
                          engine's short-row convention and ``-1`` rows), policy
-                         ``topology_only``: sink/local/witness tokens only.
+                         ``topology_only``: sink/local/witness tokens only;
+* ``learned-shared:K``   shared indexer scans (``RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=every:K``):
+                         the first sparse layer and every ``K``-th after it scan, the
+                         others reuse the nearest scanning layer's rows (no indexer key
+                         written or read there), policy disabled;
+* ``learned-shared:K+<merge mode>`` the same with every layer's own structure merged in
+                         (a sharing layer's drift tracker reads its attention keys).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -36,6 +42,7 @@ from benchmark.quality.proxy_indexers import (  # noqa: F401 (names the CLI and 
     trained_indexer_shape,
 )
 from rtp_llm.models_py.modules.hybrid.indexer import Indexer
+from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
 from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import fp8_e4m3_round_trip
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     DEFAULT_BLOCK_SIZE,
@@ -46,6 +53,39 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
 
 POLICY_MODES = ("topology_sparse_merge", "topology_compress_sparse", "topology_only")
 VARIANTS = ("dense", "learned") + tuple(f"learned+{m}" for m in POLICY_MODES) + ("topology_only_noscan",)
+SHARED_PREFIX = "learned-shared:"
+SHARED_MODES = POLICY_MODES[:2]  # the merge modes: topology_only ignores the learned rows it would share
+
+
+def parse_shared(variant: str) -> Optional[Tuple[int, Optional[str]]]:
+    """``(K, merge mode or None)`` of a ``learned-shared:K[+mode]`` variant; None for any
+    other name; ``ValueError`` for a malformed shared one (naming what is expected)."""
+    if not variant.startswith(SHARED_PREFIX):
+        return None
+    body, _, mode = variant[len(SHARED_PREFIX):].partition("+")
+    if not body.isdigit() or int(body) < 1 or (mode and mode not in SHARED_MODES):
+        raise ValueError(f"expected {SHARED_PREFIX}K or {SHARED_PREFIX}K+<mode> with K >= 1 and mode one of "
+                         f"{list(SHARED_MODES)}, got {variant!r}")
+    return int(body), (mode or None)
+
+
+def check_variant(variant: str) -> None:
+    """``ValueError`` unless ``variant`` is one of :data:`VARIANTS` or a shared variant."""
+    if variant not in VARIANTS and parse_shared(variant) is None:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {list(VARIANTS)} or "
+                         f"{SHARED_PREFIX}K[+mode] (mode one of {list(SHARED_MODES)})")
+
+
+def has_structure(variant: str) -> bool:
+    """Whether the variant runs the topology policy (every variant but dense, learned and
+    the shared ones without a mode)."""
+    return variant_policy(variant) is not None
+
+
+def share_plan(variant: str, sparse_layers: Sequence[int]) -> Optional[IndexerSharePlan]:
+    """The variant's :class:`IndexerSharePlan` over the model's sparse layers, or None."""
+    shared = parse_shared(variant)
+    return None if shared is None else IndexerSharePlan.parse(f"every:{shared[0]}", sparse_layers, where=variant)
 
 
 class TrainedIndexerInputs:
@@ -101,14 +141,22 @@ def variant_policy(variant: str) -> Optional[TopologyKVPolicyConfig]:
     """The policy config a variant applies after (or instead of) the indexer."""
     if variant in ("dense", "learned"):
         return None
-    mode = "topology_only" if variant == "topology_only_noscan" else variant.split("+", 1)[1]
+    shared = parse_shared(variant)
+    if shared is not None:
+        if shared[1] is None:
+            return None
+        mode = shared[1]
+    else:
+        mode = "topology_only" if variant == "topology_only_noscan" else variant.split("+", 1)[1]
     # FALLBACK_DISABLED: no host sync, as a CUDA-graph serving path would run it.
     return TopologyKVPolicyConfig(policy=mode, coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED)
 
 
 def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
-                 device: torch.device, projections=None) -> Optional[TimedIndexer]:
-    """The variant's ``Indexer`` for one layer (None for dense).
+                 device: torch.device, projections=None,
+                 share: Optional[IndexerSharePlan] = None) -> Optional[TimedIndexer]:
+    """The variant's ``Indexer`` for one layer (None for dense); ``share``: the variant's
+    :func:`share_plan` (a sharing layer then reuses its scanning layer's rows).
 
     Built with ``device=`` (the run's): the policy backend is resolved at construction
     (``auto``: the fused C++ kernel on the CPU, Triton on CUDA), so the CPU kernel compiles
@@ -120,5 +168,5 @@ def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
     settings = IndexerTopologySettings() if policy is None else IndexerTopologySettings(policy=policy)
     return TimedIndexer(shape.heads, shape.dim, width, DEFAULT_BLOCK_SIZE, layer_idx=layer, fp8_emulation=False,
                         topology=settings, device=device, scan=variant != "topology_only_noscan",
-                        projections=projections)
+                        projections=projections, share=share)
 

@@ -427,3 +427,78 @@ def test_the_step_order_rotates_all_but_dense():
     # Over a full rotation every variant runs once right after dense, and never twice after the same one.
     assert sorted(o[1] for o in orders[:3]) == ["a", "b", "c"]
     assert step_order(["dense"], 5) == ["dense"]
+
+
+SHARED = ["learned-shared:2", "learned-shared:2+topology_sparse_merge", "learned-shared:1"]
+
+
+def test_shared_scans_scan_half_the_layers_and_a_full_budget_equals_dense(loaded, text, shape):
+    lens = e2e.request_lengths(CONTEXT, 4, 0.5)
+    width = CONTEXT + NEW_TOKENS + 1
+    run, out = _run(loaded, text, shape, lens, ["dense"] + SHARED, width)
+    dense = out["dense"]["argmax"]
+    for variant in SHARED:
+        assert out[variant]["argmax"] == dense, variant
+        assert max(max(step) for step in out[variant]["kl"]) < 1e-4
+        scanning = NUM_LAYERS if variant.endswith(":1") else NUM_LAYERS // 2  # every:2 of 2 layers: layer 0
+        for i, s in enumerate(out[variant]["steps"]):
+            assert s["scanned_keys"] == scanning * sum(n + i + 1 for n in lens), (variant, i)
+    assert [run.states["learned-shared:2"].indexers[x].shares_rows_of for x in range(NUM_LAYERS)] == [None, 0]
+
+
+def test_a_sharing_layer_attends_over_the_scanning_layers_rows(loaded, text, shape, monkeypatch):
+    """learned-shared:2 at a small budget: layer 1 gets layer 0's op rows (the same tensor),
+    writes no indexer key; learned-shared:1 decodes exactly as learned."""
+    from rtp_llm.models_py.modules.hybrid.indexer import Indexer
+
+    calls = []
+    real_compute, real_write = Indexer._compute_topk, Indexer.write_keys
+
+    def compute(self, *args, **kwargs):
+        out = real_compute(self, *args, **kwargs)
+        calls.append((self.layer_idx, self.shares_rows_of, out))
+        return out
+
+    writes = []
+    monkeypatch.setattr(Indexer, "_compute_topk", compute)
+    monkeypatch.setattr(Indexer, "write_keys", lambda self, *a, **k: (writes.append(self.layer_idx),
+                                                                      real_write(self, *a, **k))[1])
+    lens = [CONTEXT, CONTEXT - 20]
+    run = e2e.build_batch(loaded.model, text, lens, ["dense", "learned-shared:2"], 2, 0, 96, shape)
+    writes.clear()
+    e2e.decode_batch(loaded.model, run, 2)
+    assert [c[:2] for c in calls] == [(0, None), (1, 0)] * 2
+    for step in range(2):
+        assert calls[2 * step + 1][2] is calls[2 * step][2], "layer 1 did not take layer 0's rows"
+    assert writes == [0, 0], "a sharing layer wrote indexer keys"
+    monkeypatch.undo()
+    _, out = _run(loaded, text, shape, lens, ["dense", "learned", "learned-shared:1"], 96, steps=3)
+    assert out["learned-shared:1"]["argmax"] == out["learned"]["argmax"]
+    assert out["learned-shared:1"]["kl"] == out["learned"]["kl"]
+
+
+def test_shared_variant_names_are_checked(capsys):
+    for bad in ("learned-shared:0", "learned-shared:x", "learned-shared:2+topology_only", "learned-shared:"):
+        with pytest.raises(SystemExit):
+            e2e.parse_args(["--variants", "learned", bad])
+        assert f"--variants: expected learned-shared:K or learned-shared:K+<mode> with K >= 1" in capsys.readouterr().err
+    args = e2e.parse_args(["--variants", "learned", "learned-shared:4+topology_compress_sparse"])
+    assert args.variants == ["dense", "learned", "learned-shared:4+topology_compress_sparse"]
+
+
+def test_the_shared_target_takes_the_fastest_configuration_at_learned_quality():
+    def row(variant, batch, ms, kl):
+        return {"variant": variant, "batch": batch, "context": 8192, "rows_per_request": 1,
+                "step_ms_median": ms, "step_ms": [ms, ms], "speedup_vs_dense": 1.0, "mean_kl": kl}
+
+    rows = [row("learned", 1, 100.0, 0.05), row("learned-shared:4", 1, 60.0, 0.04),  # no structure: not eligible
+            row("learned-shared:2+topology_sparse_merge", 1, 78.0, 0.05),
+            row("learned-shared:4+topology_sparse_merge", 1, 70.0, 0.06),  # faster, but worse KL
+            row("learned", 8, 100.0, 0.01), row("learned+topology_sparse_merge", 8, 101.0, 0.02)]
+    got = {t["batch"]: t for t in e2e.targets(rows) if t["target"].startswith("a configuration with structure")}
+    assert got[1]["passed"] is True and abs(got[1]["value"] - 100 / 78) < 1e-9
+    assert "learned-shared:2+topology_sparse_merge 1.282x" in got[1]["detail"]
+    assert got[8]["passed"] is False and got[8]["value"] is None
+    assert "no configuration with structure has mean KL <= learned's (0.0100)" in got[8]["detail"]
+    text = e2e.format_targets(e2e.targets(rows))
+    assert "PASS: a configuration with structure >= 1.25x learned's step at mean KL <= learned's, batch 1" in text

@@ -25,6 +25,12 @@ passed at all (recency: ``topology_only``'s default, which then selects plain lo
 
 Configuration: :class:`IndexerTopologySettings` (``topology_kv.config``), read from the
 ``RTP_LLM_TOPOLOGY_KV_*`` environment variables once, at construction, when not passed.
+
+Shared scans (``share=``, an :class:`~rtp_llm.models_py.modules.hybrid.indexer_share.IndexerSharePlan`):
+a scanning layer runs its op and leaves the op's rows in the step's caller-owned
+:class:`~rtp_llm.models_py.modules.hybrid.indexer_share.SharedTopkRows`; a sharing layer runs
+no op and reads no indexer key: it takes the rows of its scanning layer from there, and its
+own policy (when enabled) merges its own structure into them.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from torch import nn
 from rtp_llm.metrics import register_topology_kv_reporter
 from rtp_llm.models_py.modules.hybrid import indexer_torch_ops
 from rtp_llm.models_py.modules.hybrid.indexer_projections import IndexerProjections
+from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan, SharedTopkRows
 from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerAttentionInputs,
     IndexerCPParams,
@@ -140,6 +147,10 @@ class Indexer(nn.Module):
         ``k_norm``, ``weights_proj``), or None. With them :meth:`index_inputs` computes the
         indexer's q, k and weights from the layer's hidden states, as the engine's does;
         their shape must match ``index_n_heads`` / ``index_head_dim``
+    share : the model's :class:`IndexerSharePlan` (``IndexerSharePlan.from_env`` reads
+        ``RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE`` once per model), or None: this layer scans.
+        Needs ``layer_idx`` (one of the plan's sparse layers). A sharing layer's
+        :attr:`shares_rows_of` names the scanning layer whose rows it takes
     """
 
     def __init__(
@@ -157,8 +168,17 @@ class Indexer(nn.Module):
         topology_profile_budget: Optional[str] = None,
         model_fingerprint: Optional[ModelFingerprint] = None,
         projections: Optional[IndexerProjections] = None,
+        share: Optional[IndexerSharePlan] = None,
     ) -> None:
         super().__init__()
+        # Which layer's op rows this layer takes (None: it scans), fixed here.
+        self.shares_rows_of: Optional[int] = None
+        if share is not None:
+            if layer_idx is None:
+                raise ValueError("layer_idx: expected the layer's index with share= (which layer scans is per layer)")
+            source = share.source(layer_idx)
+            self.shares_rows_of = None if source == layer_idx else source
+        self.share_spec = None if share is None else share.spec
         if projections is not None and (projections.shape.heads, projections.shape.head_dim) != (
                 index_n_heads, index_head_dim):
             raise ValueError(f"projections: expected {index_n_heads} heads x {index_head_dim} dims (index_n_heads, "
@@ -235,6 +255,7 @@ class Indexer(nn.Module):
         topology_context=None,
         topology_counters: Optional[TopologyStepCounters] = None,
         topology_plan: Optional[TopologyStepPlan] = None,
+        shared_rows: Optional[SharedTopkRows] = None,
     ) -> Optional[torch.Tensor]:
         """Top-k rows of the step, then the topology policy when enabled for the path.
 
@@ -252,15 +273,22 @@ class Indexer(nn.Module):
             this layer's counters (or None if the policy did not run) are recorded there
         topology_plan : the step's :class:`TopologyStepPlan` (built once per forward from the
             contexts, shared by every layer), or None; exclusive with ``topology_context``
+        shared_rows : the step's caller-owned :class:`SharedTopkRows`, or None. A scanning
+            layer records its op's rows there (before its policy); a sharing layer
+            (:attr:`shares_rows_of`) needs it and takes its scanning layer's rows from it
+            instead of running the op (``q``, ``weights`` and ``kv_cache`` are then not read)
 
         Returns
         -------
         int32 ``[R, W]`` request-local positions (``R = T`` except under CP, where it is
         ``len(total_local_ids)``), ``-1`` padding; None for a CP rank with no local row.
-        With the policy disabled (default) it is the op's output tensor itself.
+        With the policy disabled (default) it is the op's output tensor itself (on a sharing
+        layer: the scanning layer's).
         """
         path = self.select_path(attention_inputs, cp_params)
-        if path is IndexerPath.DECODE:
+        if self.shares_rows_of is not None:
+            topk = self._shared_topk(shared_rows)
+        elif path is IndexerPath.DECODE:
             topk = self._get_topk_paged(q, weights, kv_cache, fmha_params, attention_inputs)
         elif path is IndexerPath.CP:
             topk = self._get_topk_ragged_cp(
@@ -279,6 +307,8 @@ class Indexer(nn.Module):
             )
         else:
             topk = self._get_topk_ragged(q, weights, kv_cache, fmha_params, attention_inputs)
+        if shared_rows is not None and self.shares_rows_of is None:
+            shared_rows.by_layer[self.layer_idx] = topk
         if not self.topology.enabled or topk is None:
             if topology_counters is not None:
                 reason = self._disabled_reason or PolicySkipReason.NO_LOCAL_ROWS
@@ -291,6 +321,18 @@ class Indexer(nn.Module):
             reason = PolicySkipReason.PATH_OFF if counters is None else None
             topology_counters.record(self.layer_idx, counters, self._layer_call(path, topk, reason))
         return out
+
+    def _shared_topk(self, shared_rows: Optional[SharedTopkRows]) -> Optional[torch.Tensor]:
+        """A sharing layer's rows: its scanning layer's op rows of this step."""
+        source = self.shares_rows_of
+        if shared_rows is None:
+            raise ValueError(f"shared_rows: layer {self.layer_idx} reuses the rows of layer {source} (indexer share "
+                             f"{self.share_spec!r}): expected the step's SharedTopkRows, got None")
+        try:
+            return shared_rows.by_layer[source]
+        except KeyError:
+            raise ValueError(f"shared_rows: layer {self.layer_idx} reuses the rows of layer {source}, which has not "
+                             f"run in this step (layers with rows: {sorted(shared_rows.by_layer)})") from None
 
     def _layer_call(
         self, path: IndexerPath, topk: Optional[torch.Tensor], reason: Optional[PolicySkipReason]
@@ -312,6 +354,7 @@ class Indexer(nn.Module):
         topology_context=None,
         topology_counters: Optional[TopologyStepCounters] = None,
         topology_plan: Optional[TopologyStepPlan] = None,
+        shared_rows: Optional[SharedTopkRows] = None,
     ) -> Optional[torch.Tensor]:
         return self._compute_topk(
             q,
@@ -324,6 +367,7 @@ class Indexer(nn.Module):
             topology_context=topology_context,
             topology_counters=topology_counters,
             topology_plan=topology_plan,
+            shared_rows=shared_rows,
         )
 
     # ------------------------------------------------------------------ q, k and weights

@@ -223,9 +223,10 @@ def test_every_serving_variable_is_read_and_documented_in_the_readme():
     from rtp_llm.models_py.modules.hybrid.topology_kv.config import serving_variables
     from rtp_llm.models_py.modules.hybrid.topology_kv.profile import ENV_PROFILE, ENV_PROFILE_BUDGET
     from rtp_llm.metrics import metrics_variables
+    from rtp_llm.models_py.modules.hybrid.indexer_share import ENV_INDEXER_SHARE
 
-    names = serving_variables() + (ENV_PROFILE, ENV_PROFILE_BUDGET) + metrics_variables()
-    assert len(set(names)) == len(names) == 16
+    names = serving_variables() + (ENV_PROFILE, ENV_PROFILE_BUDGET, ENV_INDEXER_SHARE) + metrics_variables()
+    assert len(set(names)) == len(names) == 17
     readme = open(os.path.join(os.path.dirname(__file__), *[os.pardir] * 5, "README.md"), encoding="utf-8").read()
     table = [line for line in readme.splitlines() if line.startswith("| `RTP_LLM_TOPOLOGY_KV_")]
     documented = {line.split("`")[1] for line in table}
