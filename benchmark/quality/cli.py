@@ -26,6 +26,7 @@ from benchmark.quality.policy_selectors import (
     policy_settings_from_flags,
 )
 from benchmark.quality.raised_gate import evaluate_raised_gate, format_raised_gate, raised_gate_selectors
+from benchmark.quality.shared_gate import evaluate_shared_gate, format_shared_gate, shared_gate_selectors
 from benchmark.quality.report import markdown_report, write_outputs
 from benchmark.quality.runner import GridSettings, run_grid, select_all_self_check
 from benchmark.quality.selector_base import SelectorSettings
@@ -121,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raised-gate", action="store_true",
                    help="also run the indexer failure modes (learned-noisy/-nosink/-stale, and each merge "
                         "mode on top of them) and print the raised gate")
+    g.add_argument("--shared-gate", action="store_true",
+                   help="also run shared indexer scans (learned-shared:2 and :4, and topology_sparse_merge on "
+                        "top of each) and print the shared-scan gate")
     g.add_argument("--scaffold-tokens", type=int, default=256, help="topology_compress_sparse: the window's first "
                    "tokens stand in for a stable scaffold (0: none, and the mode equals topology_sparse_merge)")
 
@@ -177,6 +181,8 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
     selectors = resolve_selector_names(args.selectors)
     if args.raised_gate:
         selectors = tuple(raised_gate_selectors(selectors))
+    if args.shared_gate:
+        selectors = tuple(shared_gate_selectors(selectors))
     profile_path = None
     if args.profile is not None:
         profile_path = user_path(args.profile)
@@ -473,6 +479,14 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         results_path = cfg["out_dir"] / "results.json"
         payload = json.loads(results_path.read_text())
         payload["raised_gate"] = [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in raised]
+        results_path.write_text(json.dumps(payload, indent=2, default=str))
+    if args.shared_gate:
+        shared = evaluate_shared_gate(grid)
+        print("\nShared-scan gate:")
+        print(format_shared_gate(shared))
+        results_path = cfg["out_dir"] / "results.json"
+        payload = json.loads(results_path.read_text())
+        payload["shared_gate"] = [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in shared]
         results_path.write_text(json.dumps(payload, indent=2, default=str))
     print(f"\nmodel load {t_load:.1f} s, grid {t_grid:.1f} s; outputs: " + ", ".join(str(p) for p in paths.values()))
     return 0

@@ -13,7 +13,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from benchmark.quality import failure_modes, policy_selectors
+from benchmark.quality import failure_modes, policy_selectors, shared_scans
 from benchmark.quality.profile_selectors import make_profile_selector
 from benchmark.quality.errors import UsageError
 from benchmark.quality.index_rows import dense_rows
@@ -190,6 +190,13 @@ def make_selector(
         return select_all
     if key in policy_selectors.policy_mode_names():
         return policy_selectors.make_policy_selector(key, settings, policy_settings)
+    shared = shared_scans.split_shared_name(key)
+    if shared is not None:
+        every, mode = shared
+        if mode is None:
+            return shared_scans.make_shared_learned(every, settings)
+        return policy_selectors.make_policy_selector(mode, settings, policy_settings,
+                                                     base_rows=shared_scans.shared_base_rows(every, settings))
     kind, mode = failure_modes.split_selector_name(key)
     if kind:
         failure = failure_settings or failure_modes.FailureSettings()
@@ -221,7 +228,9 @@ def resolve_selector_names(names: Optional[str]) -> Tuple[str, ...]:
         key = raw.strip().lower()
         if not key:
             continue
-        if key not in valid and not _is_failure_selector(key) and profile_selector_mode(key) is None:
+        if shared_scans.split_shared_name(key) is not None:  # a malformed one raises, naming the form
+            pass
+        elif key not in valid and not _is_failure_selector(key) and profile_selector_mode(key) is None:
             raise UsageError(f"--selectors: unknown selector {raw.strip()!r}; expected one of [{', '.join(valid)}]")
         if key not in out:
             out.append(key)

@@ -1,0 +1,140 @@
+"""Shared indexer scans in the quality harness (``learned-shared:K[+mode]``): which layers
+scan, the rows a sharing layer takes, the policy on top with the layer's own witnesses,
+a new forward starting over, and the names (synthetic layer inputs, no model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmark.quality.errors import UsageError
+from benchmark.quality.index_rows import check_engine_rows
+from benchmark.quality.policy_selectors import make_policy_selector
+from benchmark.quality.selector_base import learned_rows_and_scores
+from benchmark.quality.selectors import make_selector, needs_trained_indexer, resolve_selector_names
+from benchmark.quality.shared_scans import SharedScan, split_shared_name
+from benchmark.quality.synthetic import synthetic_layer, synthetic_settings
+
+SETTINGS = synthetic_settings(seed=3)
+WIDTH = 40
+
+
+def _forward(layers=(2, 5, 7, 9, 11)):
+    """One forward's sparse layers (distinct inputs per layer), in ascending order."""
+    return [synthetic_layer(10 + i, layer_idx=x) for i, x in enumerate(layers)]
+
+
+def _learned(layer):
+    return learned_rows_and_scores(layer, WIDTH, SETTINGS)[0]
+
+
+@pytest.mark.parametrize("every, scanning", [(1, [0, 1, 2, 3, 4]), (2, [0, 0, 2, 2, 4]), (3, [0, 0, 0, 3, 3]),
+                                             (9, [0, 0, 0, 0, 0])])
+def test_each_sparse_layer_takes_the_rows_of_the_nearest_scanning_layer_below(every, scanning):
+    layers = _forward()
+    select = make_selector(f"learned-shared:{every}", SETTINGS)
+    got = [select(layer, WIDTH, {}) for layer in layers]
+    for i, source in enumerate(scanning):
+        assert torch.equal(got[i], _learned(layers[source])), (every, i)
+    for rows, layer in zip(got, layers):
+        check_engine_rows(rows, layer.lengths, WIDTH, name="shared")
+    # Distinct inputs: a sharing layer's rows differ from what it would rank itself.
+    assert every == 1 or not torch.equal(got[1], _learned(layers[1]))
+
+
+def test_a_new_forward_and_another_budget_start_over():
+    layers = _forward()
+    select = make_selector("learned-shared:2", SETTINGS)
+    first = [select(layer, WIDTH, {}) for layer in layers]
+    # Another budget in between keeps its own memory (the grid runs one budget per forward).
+    other = select(layers[0], WIDTH + 8, {})
+    assert torch.equal(other, learned_rows_and_scores(layers[0], WIDTH + 8, SETTINGS)[0])
+    again = [select(layer, WIDTH, {}) for layer in layers]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    # A forward that starts at a later layer still scans first.
+    assert torch.equal(select(layers[3], WIDTH, {}), _learned(layers[3]))
+
+
+@pytest.mark.parametrize("mode", ["topology_sparse_merge", "topology_compress_sparse"])
+def test_the_policy_runs_on_the_shared_rows_with_the_layers_own_witnesses(mode):
+    # 640 tokens = 10 blocks of 64, W = 320: room for witness blocks between sink and local.
+    width = 320
+    layers = [synthetic_layer(20 + i, layer_idx=x, T=640) for i, x in enumerate((2, 5))]
+    select = make_selector(f"learned-shared:2+{mode}", SETTINGS)
+    select(layers[0], width, {})
+    stats = {}
+    got = select(layers[1], width, stats)
+    shared = learned_rows_and_scores(layers[0], width, SETTINGS)
+    policy = make_policy_selector(mode, SETTINGS, base_rows=lambda layer, w: shared)
+    assert torch.equal(got, policy(layers[1], width, {}))
+    assert stats["selected_tokens"] > 0 and stats["structural_injected_tokens"] > 0
+    # The witnesses are layer 5's: layer 2's keys pick other blocks.
+    assert not torch.equal(got, policy(layers[0], width, {}))
+
+
+def test_shared_names():
+    assert split_shared_name("learned-shared:4+topology_compress_sparse") == (4, "topology_compress_sparse")
+    assert split_shared_name(" Learned-Shared:2 ") == (2, None)
+    assert split_shared_name("learned-stale") is None
+    for bad in ("learned-shared:0", "learned-shared:x", "learned-shared:2+topology_only", "learned-shared:"):
+        with pytest.raises(UsageError, match="expected learned-shared:K or learned-shared:K\\+<mode> with K >= 1"):
+            resolve_selector_names(f"learned,{bad}")
+    assert resolve_selector_names("learned,learned-shared:2,learned-shared:2+topology_sparse_merge") == (
+        "learned", "learned-shared:2", "learned-shared:2+topology_sparse_merge")
+    assert needs_trained_indexer(["learned-shared:2"])
+    with pytest.raises(ValueError, match="every: expected an int >= 1, got 0"):
+        SharedScan(0)
+
+
+def test_a_sharing_layer_with_other_query_rows_is_an_error():
+    select = make_selector("learned-shared:2", SETTINGS)
+    select(synthetic_layer(1, layer_idx=0), WIDTH, {})
+    with pytest.raises(ValueError, match="layer 1 has 120 query rows, its scanning layer 150"):
+        select(synthetic_layer(2, layer_idx=1, T=120), WIDTH, {})
+
+
+def _grid(ppls):
+    """A grid at context 100 whose cells have three windows of 10 tokens at exactly ``ppl``
+    (every bootstrap resample gives the point ratio)."""
+    import math
+
+    from benchmark.quality.runner import CellResult, DenseResult, GridResult
+
+    def nll(ppl):
+        return [torch.full((10,), math.log(ppl), dtype=torch.float64) for _ in range(3)]
+
+    dense = DenseResult(context=100, nll_sum=math.log(10.0) * 30, tokens=30, window_nll=nll(10.0))
+    cells = [CellResult(context=100, budget=b, width=int(100 * b), selector=name, nll_sum=math.log(p) * 30,
+                        tokens=30, window_nll=nll(p)) for (name, b), p in ppls.items()]
+    return GridResult({100: dense}, cells, {})
+
+
+def test_the_shared_gate_on_a_hand_computed_grid():
+    from fractions import Fraction
+
+    from benchmark.quality.shared_gate import evaluate_shared_gate, shared_gate_selectors
+
+    b16, b8, b4 = Fraction(1, 16), Fraction(1, 8), Fraction(1, 4)
+    m = "+topology_sparse_merge"
+    grid = _grid({
+        ("learned", b16): 12.0, ("learned", b8): 11.0, ("learned", b4): 10.5,
+        # every 2: +4.2% at 1/16 (not judged), +0.18% and +0.1% at 1/8 and 1/4 -> PASS; recovery 58% / 55% / 67%
+        ("learned-shared:2", b16): 13.2, ("learned-shared:2" + m, b16): 12.5,
+        ("learned-shared:2", b8): 11.044, ("learned-shared:2" + m, b8): 11.02,
+        ("learned-shared:2", b4): 10.5315, ("learned-shared:2" + m, b4): 10.5105,
+        # every 4: +1.5% at 1/8 -> FAIL; recovery 25% at 1/8 -> FAIL; loses nothing at 1/4
+        ("learned-shared:4", b8): 11.22, ("learned-shared:4" + m, b8): 11.165,
+        ("learned-shared:4", b4): 10.4, ("learned-shared:4" + m, b4): 10.45,
+    })
+    checks = {c.name.split(" (ctx")[0]: c for c in evaluate_shared_gate(grid)}
+    cost2 = checks["shared every 2 + best merge vs learned at >= 1/8"]
+    assert cost2.passed is True and "1/16 (not judged)" in cost2.detail and "+0.18%" in cost2.detail
+    assert checks["shared every 4 + best merge vs learned at >= 1/8"].passed is False
+    rec2 = checks["shared every 2: merge recovers >= 50% of what sharing loses"]
+    assert rec2.passed is True and "recovers 58%" in rec2.detail and "recovers 67%" in rec2.detail
+    rec4 = checks["shared every 4: merge recovers >= 50% of what sharing loses"]
+    assert rec4.passed is False and "recovers 25%" in rec4.detail and "1/4: sharing alone loses nothing" in rec4.detail
+    assert shared_gate_selectors(["learned", "oracle"]) == [
+        "learned", "oracle", "learned-shared:2", "learned-shared:2" + m, "learned-shared:4", "learned-shared:4" + m]
+    empty = evaluate_shared_gate(_grid({("learned", b8): 11.0}))
+    assert all(c.passed is None and c.detail == "not measured" for c in empty)
