@@ -101,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budgets", default=None, help="comma list of budgets as fractions of the context "
                    "(default 1/16,1/8,1/4)")
     g.add_argument("--selectors", default=None, help="comma list (default: every selector); valid: "
-                   "oracle, learned (the trained indexer), proxy, proxy-pca, proxy-lowrank (untrained null models), locality, random, and each enabled policy mode")
+                   "oracle, learned (the trained indexer), proxy, proxy-pca, proxy-lowrank (untrained null models), "
+                   "locality, random, each enabled policy mode, learned-<failure>[+mode], and shared indexer scans "
+                   "learned-shared:K[+merge mode] (every K-th sparse layer ranks, the others reuse its rows)")
     g.add_argument("--full", action="store_true", help="the full grid: contexts 2048,8192 and budgets "
                    "1/32,1/16,1/8,1/4 (hours on 2 cores)")
 
