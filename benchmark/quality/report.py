@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 from benchmark.quality.gate import Verdict, check_mark
+from benchmark.quality.iso_quality import iso_quality, iso_quality_json, iso_quality_markdown
 from benchmark.quality.runner import GridResult, cell_summary, sorted_cells, stage_breakdown
 
 
@@ -44,6 +45,9 @@ def markdown_report(
             mode, status = (v.mode, v.status) if i == 0 else ("", "")
             out.append(f"| {mode} | {status} | {c.name} | {check_mark(c.passed)} | {c.detail} |")
     out += ["", *interval_table(grid, selector_order, settings)]
+    iso = iso_quality_markdown(iso_quality(grid, selector_order))
+    if iso:
+        out += ["", *iso]
     probe = getattr(grid, "probe", None)
     if probe is not None:
         from benchmark.quality.probe import probe_markdown
@@ -137,6 +141,7 @@ def json_report(grid: GridResult, selector_order: Sequence[str], verdicts: Seque
         "windows": {str(ctx): [w.describe() for w in ws] for ctx, ws in grid.windows.items()},
         "probe": None if getattr(grid, "probe", None) is None else grid.probe.to_json(),
         "cells": [cell_summary(grid, c) for c in sorted_cells(grid, selector_order)],
+        "iso_quality": iso_quality_json(iso_quality(grid, selector_order)),
         "gate": [
             {"mode": v.mode, "status": v.status,
              "checks": [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in v.checks]}

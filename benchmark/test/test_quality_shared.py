@@ -138,3 +138,25 @@ def test_the_shared_gate_on_a_hand_computed_grid():
         "learned", "oracle", "learned-shared:2", "learned-shared:2" + m, "learned-shared:4", "learned-shared:4" + m]
     empty = evaluate_shared_gate(_grid({("learned", b8): 11.0}))
     assert all(c.passed is None and c.detail == "not measured" for c in empty)
+
+
+def test_iso_quality_finds_the_smallest_budget_as_good_as_learned_at_one_eighth():
+    import json
+    from fractions import Fraction
+
+    from benchmark.quality.iso_quality import iso_quality, iso_quality_json, iso_quality_markdown
+
+    b32, b16, b8, b4 = Fraction(1, 32), Fraction(1, 16), Fraction(1, 8), Fraction(1, 4)
+    m = "learned-shared:2+topology_sparse_merge"
+    grid = _grid({("learned", b16): 11.5, ("learned", b8): 11.0, ("learned", b4): 10.8,
+                  (m, b32): 12.0, (m, b16): 10.99, (m, b8): 10.9,  # 1/16 already as good: half the KV read
+                  ("locality", b8): 13.0, ("locality", b4): 12.0})  # never as good
+    got = {e["selector"]: e for e in iso_quality(grid, ["learned", m, "locality"])}
+    assert got["learned"]["budget"] == b8 and got["learned"]["kv_read"] == 1.0
+    assert got[m]["budget"] == b16 and got[m]["kv_read"] == 0.5 and got[m]["scans"] == 0.5
+    assert got[m]["budgets"] == ["1/32", "1/16", "1/8"]
+    assert got["locality"]["budget"] is None
+    text = "\n".join(iso_quality_markdown(list(got.values())))
+    assert f"| 100 | {m} | 1/32, 1/16, 1/8 | 1/16 | 6 |" in text and "| 100 | locality | 1/8, 1/4 | none of them |" in text
+    json.dumps(iso_quality_json(list(got.values())))  # serialisable
+    assert iso_quality(_grid({("learned", b4): 10.0}), ["learned"]) == []  # no learned at 1/8: nothing to compare
