@@ -58,7 +58,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="request b has C - floor(b * C * spread / B) tokens (default 1/16)")
     p.add_argument("--new-tokens", type=int, default=16, help="decode steps N per variant")
     p.add_argument("--warmup", type=int, default=2, help="first decode steps left out of the timings")
-    p.add_argument("--budget", type=int, default=1024, help="selected tokens per row W (same for every variant)")
+    p.add_argument("--budget", type=int, nargs="+", default=[1024],
+                   help="selected tokens per row W, the same for every variant (default 1024); several values "
+                        "sweep the budget (one decode per W, sharing the prefill; the Pareto plot of --merge)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS),
                    help=f"subset of {list(VARIANTS)}, plus shared indexer scans: learned-shared:K (every K-th "
                         "sparse layer scans, the others reuse its rows) and learned-shared:K+<merge mode>")
@@ -88,7 +90,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--merge and --out: expected both or neither, got --merge {args.merge} --out {args.out}")
     if args.quick:  # the tiny run's values, for the flags not typed
         typed = given_flags(p, argv)
-        quick = dict(contexts=[512], batches=[1, 4], new_tokens=4, num_layers=4, budget=256, warmup=1)
+        quick = dict(contexts=[512], batches=[1, 4], new_tokens=4, num_layers=4, budget=[256], warmup=1)
         for dest, value in quick.items():
             if dest not in typed:
                 setattr(args, dest, value)
@@ -106,8 +108,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--new-tokens: expected >= 1, got {args.new_tokens}")
     if not 0 <= args.warmup < args.new_tokens:
         p.error(f"--warmup: expected 0 <= warmup < --new-tokens ({args.new_tokens}), got {args.warmup}")
-    if args.budget < 1:
-        p.error(f"--budget: expected >= 1, got {args.budget}")
+    if any(w < 1 for w in args.budget) or len(set(args.budget)) != len(args.budget):
+        p.error(f"--budget: expected distinct values >= 1, got {args.budget}")
     for v in args.variants:
         try:
             check_variant(v)

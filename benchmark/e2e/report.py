@@ -29,6 +29,7 @@ NOSCAN_TARGET = f"topology_only_noscan >= {NOSCAN_MIN_SPEEDUP}x dense at context
 MARKDOWN_COLUMNS = ("context", "B", "rows", "variant", "ms/step (p90)", "tok/s", "x dense",
                     "indexer / policy / attention / rest ms", "KV read", "top-1 agree", "mean KL", "peak MiB")
 PLOT_NAME = "e2e_step_vs_batch.png"
+PARETO_NAME = "e2e_pareto.png"
 
 Row = Dict[str, object]
 
@@ -279,7 +280,8 @@ def command_of(settings: Row) -> str:
         value = settings.get(key)
         if value is None or (key in OMITTED_DEFAULTS and value == OMITTED_DEFAULTS[key]):
             continue
-        argv.append(f"--{key.replace('_', '-')} {value}")
+        shown = " ".join(str(x) for x in value) if isinstance(value, (list, tuple)) else value
+        argv.append(f"--{key.replace('_', '-')} {shown}")
     return " ".join(argv)
 
 
@@ -307,16 +309,52 @@ def format_merged(merged: Row, plot_name: Optional[str] = PLOT_NAME) -> str:
                      f"multiply-adds per key); {machine_of(env)}, torch {env.get('torch', '?')}")
     lines += ["", format_table(merged["rows"]), "", "```", format_targets(merged["targets"]), "```"]
     if plot_name:
-        lines += ["", f"![step time vs batch]({plot_name})"]
+        lines += ["", f"![step time vs batch]({plot_name})", "", f"![step time vs KL]({PARETO_NAME})"]
     return "\n".join(lines) + "\n"
+
+
+def plot_pareto(rows: List[Row], path: Path) -> Path:
+    """Step time vs mean KL to dense, one point per (variant, budget W), a variant's budgets
+    joined in order of W, one panel per (context, batch) of one-row-per-request rows; the
+    lower left is better on both. Log KL axis (dense's 0 left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    single = [r for r in rows if r["rows_per_request"] == 1 and r["variant"] != "dense"]
+    panels = sorted({(r["context"], r["batch"]) for r in single})
+    variants = list(dict.fromkeys(r["variant"] for r in single))
+    colours = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.5 * max(1, len(panels)), 4.5), squeeze=False)
+    for ax, (ctx, batch) in zip(axes[0], panels):
+        here = [r for r in single if (r["context"], r["batch"]) == (ctx, batch)]
+        for v in variants:
+            pts = sorted((r["budget"], r["step_ms_median"], max(r["mean_kl"], 1e-7)) for r in here if r["variant"] == v)
+            if not pts:
+                continue
+            ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", color=colours[v], label=v)
+            for w, x, y in pts:
+                ax.annotate(f"W={w}", (x, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
+        ax.set_yscale("log")
+        ax.set_title(f"context {ctx}, batch {batch}")
+        ax.set_xlabel("median ms / step")
+        ax.set_ylabel("mean KL to dense (log)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def write_merged(sources: Sequence[Tuple[str, Path]], out_dir: Path) -> Row:
     """Merge ``--json`` files ``[(name shown in the report, path), ...]`` into ``out_dir``:
-    ``e2e.json``, ``e2e.md`` and the plot."""
+    ``e2e.json``, ``e2e.md``, the step-vs-batch plot and the step-vs-KL Pareto plot."""
     merged = merge_runs([(name, json.loads(path.read_text())) for name, path in sources])
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_step_vs_batch(merged["rows"], out_dir / PLOT_NAME)
+    plot_pareto(merged["rows"], out_dir / PARETO_NAME)
     (out_dir / "e2e.json").write_text(json.dumps(merged, indent=2, default=str))
     (out_dir / "e2e.md").write_text(format_merged(merged))
     return merged

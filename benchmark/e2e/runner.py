@@ -174,13 +174,13 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is pinned in requirements.txt
         tqdm = None
-    configs = [(c, b) for c in args.contexts for b in args.batches]
+    configs = [(c, b, w) for c in args.contexts for b in args.batches for w in args.budget]
     total = len(configs) * args.new_tokens
     bar = None if (tqdm is None or args.no_progress) else tqdm(total=total, desc="decode e2e steps", file=sys.stderr)
     rows: List[Dict[str, object]] = []
     T = args.next_n + 1
     prefilled = None
-    for context, batch in configs:
+    for context, batch, width in configs:
         text = prompt_tokens(loaded, args.novel, context + (args.new_tokens * T if args.next_n else 0),
                              args.data_dir)
         lens = request_lengths(context, batch, args.length_spread)
@@ -188,12 +188,12 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
             want = sorted({c - 1 for b in args.batches for c in request_lengths(context, b, args.length_spread)})
             prefilled = (context, (*prefill_text(model, text[:context], want), want))
 
-        def on_step(i, context=context, batch=batch):
+        def on_step(i, context=context, batch=batch, width=width):
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(context=context, batch=batch)
+                bar.set_postfix(context=context, batch=batch, W=width)
 
-        rows += run_one(model, text, lens, args.variants, args.new_tokens, args.next_n, args.budget, shape,
+        rows += run_one(model, text, lens, args.variants, args.new_tokens, args.next_n, width, shape,
                         args.warmup, on_step, log, prefilled[1], trained)
     if bar is not None:
         bar.close()

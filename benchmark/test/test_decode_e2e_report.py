@@ -74,7 +74,8 @@ def test_targets_pair_compress_with_learned_of_its_own_preset():
             row("learned+topology_compress_sparse", 8192, 1, 90.0, indexer=MODEL),
             row("learned+topology_compress_sparse", 8192, 8, 90.0, rows_per_request=2)]  # multi-row: no target
     found = {(t["batch"], t["indexer_preset"]): t for t in report.targets(rows)
-             if "sparse_merge" not in t["target"] and " policy <= " not in t["target"]}
+             if "sparse_merge" not in t["target"] and " policy <= " not in t["target"]
+             and not t["target"].startswith("a configuration with structure")}
     assert found[(8, "dsa-ratio")]["passed"] is True  # noscan 100 / 70 = 1.43x
     assert found[(1, "dsa-ratio")]["value"] == pytest.approx(1.01) and found[(1, "dsa-ratio")]["passed"]
     assert found[(1, "model")]["value"] == pytest.approx(90 / 80) and not found[(1, "model")]["passed"]
@@ -103,8 +104,9 @@ def test_the_step_ratio_pairs_the_interleaved_steps():
 
 def test_nothing_run_is_not_run():
     text = report.format_targets(report.targets([row("dense", 2048, 32, 100.0)]))
-    # noscan, both merge modes at batch 1 and 8, both policy shares
-    assert text.count("NOT RUN") == 7 and "PASS" not in text and "FAIL" not in text
+    # noscan, both merge modes at batch 1 and 8, structure at learned's quality at batch 1 and 8,
+    # both policy shares
+    assert text.count("NOT RUN") == 9 and "PASS" not in text and "FAIL" not in text
 
 
 def test_merge_mode_targets_and_the_policy_share():
@@ -176,6 +178,29 @@ def test_merge_command_writes_one_report_and_plot(tmp_path, capsys):
     merged = json.loads((out / "e2e.json").read_text())
     assert len(merged["rows"]) == 4 + 2 + 2 and len(merged["runs"]) == 3
     assert (out / report.PLOT_NAME).stat().st_size > 0
+    assert (out / report.PARETO_NAME).stat().st_size > 0 and "![step time vs KL](e2e_pareto.png)" in md
+
+
+def test_a_budget_sweep_is_one_table_per_budget_and_one_pareto_point_each(tmp_path):
+    rows = []
+    for w in (256, 1024):
+        rows += [row("dense", 8192, 1, 100.0, budget=w), row("learned", 8192, 1, 60.0 + w / 100, budget=w),
+                 row("learned-shared:2+topology_sparse_merge", 8192, 1, 50.0 + w / 100, budget=w)]
+    for r in rows:
+        r["mean_kl"] = 0.01 if r["variant"] != "dense" else 0.0
+    blocks = table_blocks(report.format_table(rows))
+    assert [h for h in blocks] == ["**Untrained proxy indexer `dsa-ratio` (1 head x 64 dims), W = 256, 1 row per "
+                                   "request (greedy decode)**",
+                                   "**Untrained proxy indexer `dsa-ratio` (1 head x 64 dims), W = 1024, 1 row per "
+                                   "request (greedy decode)**"]
+    assert report.plot_pareto(rows, tmp_path / "p.png").stat().st_size > 0
+    settings = payload(rows)["settings"]
+    settings["budget"] = [256, 1024]
+    assert "--budget 256 1024" in report.command_of(settings)
+    args = e2e.parse_args(["--budget", "256", "1024"])
+    assert args.budget == [256, 1024]
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--budget", "256", "256"])
 
 
 def test_merge_errors_name_the_flag(tmp_path, capsys):
