@@ -32,6 +32,7 @@ from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import (
 )
 
 BUDGETS = (Fraction(1, 16), Fraction(1, 8), Fraction(1, 4))
+REUSE_BELOW = "reuse below"  # the layer below's trained rows on this layer (train_cli's shared-scan cost)
 LOCALITY_SINKS = 4
 METHODS = ("oracle", "trained", "proxy", "proxy-pca", "locality")
 

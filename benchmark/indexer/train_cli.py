@@ -48,6 +48,7 @@ import torch
 
 from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, check_output_file, is_file, shown
 from benchmark.indexer.checkpoints import model_rope_theta, parse_shape, resolve_shape
+from benchmark.indexer.evaluate import REUSE_BELOW
 from benchmark.quality.text import NOVELS
 
 TRAIN_FRACTION = 0.8
@@ -260,7 +261,7 @@ def train(args, lm, corpus, layers, shape, progress: bool):
 def evaluate(args, lm, corpus, layers, projections, progress: bool):
     """Step 5: ``{set name: {"context": c, "windows": [...], "layers": {layer: method -> budget -> recall}}}``."""
     from benchmark.indexer.capture import capture_window, sample_rows
-    from benchmark.indexer.evaluate import BUDGETS, default_methods, layer_recall
+    from benchmark.indexer.evaluate import BUDGETS, REUSE_BELOW, default_methods, layer_recall, trained_scores
     from benchmark.quality.probe import ProbeSettings, make_probe_window
 
     train_tokens = lm.tokenizer(corpus.texts[args.novel])["input_ids"]
@@ -286,8 +287,17 @@ def evaluate(args, lm, corpus, layers, projections, progress: bool):
         rows_total = 0
         for w, rows in windows:
             captured = capture_window(lm, w, rows, layers, keep_attention_qk=True)
+            below = None  # the previous full-attention layer (the same query rows in every layer)
             for layer in layers:
-                r = layer_recall([captured[layer]], default_methods(projections.get(layer), True), ctx, BUDGETS)
+                methods = default_methods(projections.get(layer), True)
+                if projections.get(layer) is not None:
+                    # A layer reusing the rows of the one below (a shared indexer scan); the
+                    # first layer always scans: its own rows.
+                    source = below if below is not None and projections.get(below) is not None else layer
+                    reused = trained_scores(projections[source])(captured[source])
+                    methods[REUSE_BELOW] = lambda sample, reused=reused: reused
+                r = layer_recall([captured[layer]], methods, ctx, BUDGETS)
+                below = layer
                 acc = sums.setdefault(layer, {})
                 for method, by_budget in r.items():
                     for b, v in by_budget.items():
@@ -300,6 +310,25 @@ def evaluate(args, lm, corpus, layers, projections, progress: bool):
                      "layers": {layer: {m: {b: v / rows_total for b, v in d.items()} for m, d in acc.items()}
                                 for layer, acc in sums.items()}}
     bar.close()
+    return out
+
+
+SHARE_FRACTIONS = (Fraction(1, 2), Fraction(1, 4))
+
+
+def share_choice(costs: Dict[int, float], fractions=SHARE_FRACTIONS) -> Dict[str, object]:
+    """Which layers should scan when only a fraction of them may: ``costs[layer]`` is the
+    recall at 1/16 a layer loses by reusing the rows of the layer below (0 for the first).
+    The first layer always scans; the others scan in order of decreasing cost (a greedy
+    choice on the adjacent-layer cost, as IndexCache ranks layers). Per fraction: the
+    scanning layers and the ``RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE`` value that serves them."""
+    layers = sorted(costs)
+    ranked = sorted(layers[1:], key=lambda x: (-costs[x], x))
+    out: Dict[str, object] = {"cost_1_16": {str(x): costs[x] for x in layers}, "ranked": ranked}
+    for f in fractions:
+        n = max(1, round(len(layers) * f))
+        scanning = sorted([layers[0]] + ranked[: n - 1])
+        out[f"scan {f}"] = {"layers": scanning, "env": ",".join(str(x) for x in scanning)}
     return out
 
 
@@ -321,6 +350,9 @@ def summarize(evaluation) -> Dict[str, Dict[str, object]]:
                 if null in methods:
                     s[f"layers_below_{null}"] = [x for x in layers
                                                  if any(layers[x]["trained"][b] < layers[x][null][b] for b in budgets)]
+        if REUSE_BELOW in methods:
+            s["share"] = share_choice({x: layers[x]["trained"]["1/16"] - layers[x][REUSE_BELOW]["1/16"]
+                                       for x in layers})
         out[name] = s
     return out
 
@@ -344,6 +376,13 @@ def markdown(evaluation, summary) -> str:
                           f"{s['worst_layer_gap_1_16']['layer']} ({s['worst_layer_gap_1_16']['gap']:.3f}); layers where "
                           "trained is below a null model at some budget: "
                       + "; ".join(f"{k[len('layers_below_'):]} {v}" for k, v in s.items() if k.startswith("layers_below_"))]
+        if "share" in s:
+            lines += ["", f"`{REUSE_BELOW}`: each layer ranked with the rows of the full-attention layer below it "
+                          "(a shared indexer scan; the first layer's own). Layers by recall lost at 1/16, most first: "
+                          + ", ".join(f"{x} ({s['share']['cost_1_16'][str(x)]:+.3f})" for x in s["share"]["ranked"])]
+            for f in SHARE_FRACTIONS:
+                pick = s["share"][f"scan {f}"]
+                lines.append(f"- scan {f} of the layers: `RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE={pick['env']}`")
         lines.append("")
     return "\n".join(lines)
 

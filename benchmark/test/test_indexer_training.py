@@ -267,9 +267,26 @@ def test_training_windows_and_evaluation_sets_of_the_command(captured):
     for name, s in ev.items():
         for x in layers:
             r = s["layers"][x]
-            assert set(r) == {"oracle", "trained", "proxy", "proxy-pca", "locality"}
+            assert set(r) == {"oracle", "trained", "proxy", "proxy-pca", "locality", "reuse below"}
             for method, by_budget in r.items():
                 for b, v in by_budget.items():
                     assert 0.0 <= v <= r["oracle"][b] + 1e-9, (name, x, method, b)
+        first = s["layers"][layers[0]]
+        assert first["reuse below"] == first["trained"], "the first layer scans: its own rows"
     summary = train_cli.summarize(ev)
-    assert "prideprejudice copy probe 512" in train_cli.markdown(ev, summary)
+    text = train_cli.markdown(ev, summary)
+    assert "prideprejudice copy probe 512" in text and "RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=" in text
+    share = summary["emma (held out) 512"]["share"]
+    assert share["scan 1/2"]["layers"][0] == layers[0] and share["ranked"][0] != layers[0]
+
+
+def test_the_share_choice_scans_the_first_layer_and_then_the_costliest():
+    from benchmark.indexer.train_cli import share_choice
+
+    got = share_choice({0: 0.0, 1: 0.01, 2: 0.20, 3: 0.05, 4: -0.01, 5: 0.30, 6: 0.02, 7: 0.10})
+    assert got["ranked"] == [5, 2, 7, 3, 6, 1, 4]
+    assert got["scan 1/2"] == {"layers": [0, 2, 5, 7], "env": "0,2,5,7"}
+    assert got["scan 1/4"] == {"layers": [0, 5], "env": "0,5"}
+    from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
+
+    assert IndexerSharePlan.parse(got["scan 1/2"]["env"], range(8)).scanning == (0, 2, 5, 7)
