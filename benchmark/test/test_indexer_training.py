@@ -290,3 +290,15 @@ def test_the_share_choice_scans_the_first_layer_and_then_the_costliest():
     from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
 
     assert IndexerSharePlan.parse(got["scan 1/2"]["env"], range(8)).scanning == (0, 2, 5, 7)
+
+
+def test_the_shipped_checkpoints_are_one_per_model_and_shape_preset():
+    from benchmark.indexer.checkpoints import SHAPE_PRESETS, find_shipped_checkpoint, shipped_checkpoints
+
+    found = shipped_checkpoints()
+    keys = [(info.model_sha256, info.extra.get("shape_preset")) for _, info in found]
+    assert len(found) >= 3 and len(set(keys)) == len(keys)
+    for path, info in found:
+        preset = info.extra.get("shape_preset")
+        assert preset in SHAPE_PRESETS and path.name.endswith(f".{preset}.safetensors"), path.name
+        assert find_shipped_checkpoint(info.model_sha256, preset) == path
