@@ -106,7 +106,8 @@ def fastest_at_learned_quality(single: List[Row], learned: Dict[Tuple[object, ..
     for r in single:
         base = learned.get(run_key(r) + (r["context"], batch))
         if (r["context"] != TARGET_CONTEXT or r["batch"] != batch or base is None
-                or not has_structure(r["variant"]) or r["variant"] == "topology_only_noscan"):
+                or not has_structure(r["variant"]) or r["variant"] == "topology_only_noscan"
+                or r.get("mean_kl") is None or base.get("mean_kl") is None):
             continue
         base_of = base
         if r["mean_kl"] <= base["mean_kl"]:

@@ -156,7 +156,7 @@ def test_quick_fills_in_only_the_flags_not_typed():
     from benchmark.e2e.cli import parse_args
 
     args = parse_args(["--quick", "--contexts", "1024", "--budget", "128"])
-    assert args.contexts == [1024] and args.budget == 128  # typed: kept
+    assert args.contexts == [1024] and args.budget == [128]  # typed: kept (--budget takes a list of W)
     assert args.batches == [1, 4] and args.new_tokens == 4  # not typed: the quick run's
 
 
