@@ -19,13 +19,18 @@ Variants, one budget ``W`` (``--budget``):
                          the first sparse layer and every ``K``-th after it scan, the
                          others reuse the nearest scanning layer's rows (no indexer key
                          written or read there), policy disabled;
-* ``learned-shared:K+<merge mode>`` the same with every layer's own structure merged in
-                         (a sharing layer's drift tracker reads its attention keys).
+* ``learned-shared:L0,L1,...`` the same with these scanning layers
+                         (``RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=L0,L1,...``, e.g. a profile's
+                         ``indexer_share.scanning``);
+* ``learned-shared:<K | list>+<merge mode>`` the same with every layer's own structure
+                         merged in (a sharing layer's drift tracker reads its attention keys).
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
+
+from benchmark.quality.shared_scans import PROFILE_SCAN, SHARED_PREFIX, SharedName, parse_shared_name
 
 import torch
 
@@ -53,27 +58,26 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
 
 POLICY_MODES = ("topology_sparse_merge", "topology_compress_sparse", "topology_only")
 VARIANTS = ("dense", "learned") + tuple(f"learned+{m}" for m in POLICY_MODES) + ("topology_only_noscan",)
-SHARED_PREFIX = "learned-shared:"
 SHARED_MODES = POLICY_MODES[:2]  # the merge modes: topology_only ignores the learned rows it would share
 
 
-def parse_shared(variant: str) -> Optional[Tuple[int, Optional[str]]]:
-    """``(K, merge mode or None)`` of a ``learned-shared:K[+mode]`` variant; None for any
-    other name; ``ValueError`` for a malformed shared one (naming what is expected)."""
+def parse_shared(variant: str) -> Optional[SharedName]:
+    """The :class:`SharedName` of a ``learned-shared:<K | layer list>[+mode]`` variant; None
+    for any other name; ``ValueError`` for a malformed shared one (naming what is expected)."""
     if not variant.startswith(SHARED_PREFIX):
         return None
-    body, _, mode = variant[len(SHARED_PREFIX):].partition("+")
-    if not body.isdigit() or int(body) < 1 or (mode and mode not in SHARED_MODES):
-        raise ValueError(f"expected {SHARED_PREFIX}K or {SHARED_PREFIX}K+<mode> with K >= 1 and mode one of "
-                         f"{list(SHARED_MODES)}, got {variant!r}")
-    return int(body), (mode or None)
+    shared = parse_shared_name(variant, modes=SHARED_MODES, lists=True, where=variant)
+    if shared.scan == PROFILE_SCAN:
+        raise ValueError(f"{variant}: the e2e takes no profile; write its scanning layers as "
+                         f"{SHARED_PREFIX}L0,L1,... (the profile's indexer_share.scanning)")
+    return shared
 
 
 def check_variant(variant: str) -> None:
     """``ValueError`` unless ``variant`` is one of :data:`VARIANTS` or a shared variant."""
     if variant not in VARIANTS and parse_shared(variant) is None:
         raise ValueError(f"unknown variant {variant!r}; expected one of {list(VARIANTS)} or "
-                         f"{SHARED_PREFIX}K[+mode] (mode one of {list(SHARED_MODES)})")
+                         f"{SHARED_PREFIX}<K | L0,L1,...>[+mode] (mode one of {list(SHARED_MODES)})")
 
 
 def has_structure(variant: str) -> bool:
@@ -85,7 +89,7 @@ def has_structure(variant: str) -> bool:
 def share_plan(variant: str, sparse_layers: Sequence[int]) -> Optional[IndexerSharePlan]:
     """The variant's :class:`IndexerSharePlan` over the model's sparse layers, or None."""
     shared = parse_shared(variant)
-    return None if shared is None else IndexerSharePlan.parse(f"every:{shared[0]}", sparse_layers, where=variant)
+    return None if shared is None else IndexerSharePlan.parse(shared.scan, sparse_layers, where=variant)
 
 
 class TrainedIndexerInputs:
@@ -143,9 +147,9 @@ def variant_policy(variant: str) -> Optional[TopologyKVPolicyConfig]:
         return None
     shared = parse_shared(variant)
     if shared is not None:
-        if shared[1] is None:
+        if shared.mode is None:
             return None
-        mode = shared[1]
+        mode = shared.mode
     else:
         mode = "topology_only" if variant == "topology_only_noscan" else variant.split("+", 1)[1]
     # FALLBACK_DISABLED: no host sync, as a CUDA-graph serving path would run it.

@@ -10,11 +10,14 @@ prints the layers x budgets table and the guard's verdicts, and plots the share 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
+import re
 import shlex
 import sys
 import time
+from fractions import Fraction
 from typing import Optional, Sequence
 
 from benchmark.quality.calibration import (
@@ -26,6 +29,7 @@ from benchmark.quality.calibration import (
     CalibrationSettings,
     calibrate,
     format_guard,
+    format_scanning,
     format_table,
     parse_components,
     plot_shares,
@@ -82,11 +86,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fp8", action="store_true", help="trained indexer without the fp8-e4m3 round trip")
     p.add_argument("--indexer-checkpoint", default=None, metavar="FILE",
                    help="the trained indexer the merge modes start from (default: the one shipped for the model)")
+    p.add_argument("--scan", default=None, metavar="K",
+                   help="also choose which sparse layers run the indexer when the others share it: K layers, or a "
+                        "fraction such as 1/4 of them (rounded, at least 1); ranked by what reusing the layer "
+                        "below costs each layer's output, written into the profile's indexer_share (served with "
+                        "RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=profile); merge modes only")
     p.add_argument("--out-dir", default="report/topology_kv_profile", help="where profile.json and share_kept.png go")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+def parse_scan(text: Optional[str], policy: str):
+    """``--scan``: None, an int ``K >= 1`` or a ``Fraction`` in (0, 1]; ``UsageError`` otherwise."""
+    if text is None:
+        return None
+    if policy == "topology_only":
+        raise UsageError("--scan: expected a merge --policy (topology_only replaces the rows a sharing layer "
+                         "would reuse), got --policy topology_only")
+    key = text.strip()
+    if re.fullmatch(r"[0-9]{1,6}", key) and int(key) >= 1:
+        return int(key)
+    if re.fullmatch(r"[0-9]{1,6}/[0-9]{1,6}", key):
+        num, den = map(int, key.split("/"))
+        if den > 0 and 0 < Fraction(num, den) <= 1:
+            return Fraction(num, den)
+    raise UsageError(f"--scan: expected a number of layers K >= 1 or a fraction in (0, 1] such as 1/4, "
+                     f"got {shown(text)}")
+
+
+def resolve_scan(scan, layers: int) -> int:
+    """The number of scanning layers out of ``layers`` (``ValueError`` when K exceeds them)."""
+    if isinstance(scan, Fraction):
+        return max(1, round(layers * scan))
+    if scan > layers:
+        raise ValueError(f"expected at most the model's {layers} sparse layers, got {scan}")
+    return scan
 
 
 def run(argv: Optional[Sequence[str]] = None) -> int:
@@ -107,6 +143,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     for flag in ("threads", "num_layers"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
+    scan = parse_scan(args.scan, args.policy)
     if args.text is not None and not is_file(user_path(args.text)):
         raise UsageError(f"--text: no such file {shown(str(user_path(args.text)))}")
     try:  # before the model load and the 15-28 min calibration, not after
@@ -145,6 +182,11 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     lm = load_gguf_model(user_path(args.model) if args.model else None, num_layers=args.num_layers)
     if not lm.full_attention_layers:
         raise UsageError("--model: the model has no full-attention layer")
+    if scan is not None:
+        try:
+            settings = dataclasses.replace(settings, scan=resolve_scan(scan, len(lm.full_attention_layers)))
+        except ValueError as exc:
+            raise UsageError(f"--scan: {exc}") from None
     token_ids = lm.tokenizer(source_text, add_special_tokens=False).input_ids
     windows = {c: sample_windows(token_ids, text["name"], c, args.windows, args.window_seed) for c in contexts}
     print(f"model {lm.gguf_path.name}: {lm.model.config.num_hidden_layers} layers, full attention "
@@ -158,6 +200,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     path.write_text(json.dumps(profile, indent=1))
     print(format_table(profile))
     print(format_guard(profile))
+    if "indexer_share" in profile:
+        print(format_scanning(profile))
     outputs = [str(path)]
     if not args.no_plots:
         plot_shares(profile, out_dir / "share_kept.png")

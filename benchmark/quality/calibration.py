@@ -140,6 +140,11 @@ class CalibrationSettings:
         (``sink_options``; baseline ``sink_tokens``, i.e. locality)
     witness_signal : ``default`` (serving's ``auto``: key drift for the merge mode, recency
         for topology_only), ``key_drift`` or ``recency``: what serving can compute
+    scan : how many sparse layers run the indexer when the others share it (the model-level
+        budget "scan K of N"; None: no scanning set). The calibration then also measures what
+        each layer loses by reusing the learned rows of the sparse layer below it and writes
+        the scanning set into the profile's ``indexer_share`` (merge modes only;
+        :func:`choose_scanning`)
     """
 
     contexts: Tuple[int, ...]
@@ -157,10 +162,17 @@ class CalibrationSettings:
     witness_signal: str = "default"
     policy: str = MODE
     sink_options: Tuple[int, ...] = DEFAULT_SINK_OPTIONS
+    scan: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: expected one of {list(POLICIES)}, got {self.policy!r}")
+        if self.scan is not None:
+            if isinstance(self.scan, bool) or not isinstance(self.scan, int) or self.scan < 1:
+                raise ValueError(f"scan: expected an int >= 1 (scanning layers), got {self.scan!r}")
+            if self.policy == ONLY:
+                raise ValueError("scan: expected no scanning set for topology_only (it replaces the rows a sharing "
+                                 "layer would reuse)")
         try:
             served = WitnessSignal.parse(self.witness_signal).served
         except ValueError:
@@ -273,11 +285,37 @@ def candidate_rows(
     return out
 
 
+REUSE_BELOW = "reuse-below"  # the learned rows of the sparse layer below (a shared scan), measured with --scan
+
+
+def top_k_overlap(own: torch.Tensor, other: torch.Tensor, layer: LayerInputs) -> Tuple[float, int]:
+    """(sum over query rows of ``|own & other| / |own|``, rows): how much of a row's own
+    top-k the other layer's rows keep (valid entries only; rows with none are skipped)."""
+    mine = rows_to_mask(own, layer.key_length)  # [T, L]
+    kept = (mine & rows_to_mask(other, layer.key_length)).sum(1).to(torch.float64)
+    size = mine.sum(1).to(torch.float64)
+    has = size > 0
+    return float((kept[has] / size[has]).sum()), int(has.sum())
+
+
 @dataclasses.dataclass
 class Measurements:
-    """``sums[(layer, budget, context, candidate)] = [cos_diff sum, recall sum, rows]``."""
+    """``sums[(layer, budget, context, candidate)] = [cos_diff sum, recall sum, rows]``;
+    ``overlap[(layer, budget, context)] = [top-k overlap sum with the layer below, rows]``."""
 
     sums: Dict[Tuple[int, Fraction, int, str], List[float]] = dataclasses.field(default_factory=dict)
+    overlap: Dict[Tuple[int, Fraction, int], List[float]] = dataclasses.field(default_factory=dict)
+
+    def add_overlap(self, layer: int, budget: Fraction, context: int, values: Tuple[float, int]) -> None:
+        s = self.overlap.setdefault((layer, budget, context), [0.0, 0])
+        s[0] += values[0]
+        s[1] += values[1]
+
+    def mean_overlap(self, layer: int, budget: Fraction, contexts: Sequence[int]) -> float:
+        """Each context's mean top-k overlap, then the mean over contexts (NaN: not measured)."""
+        per = [self.overlap.get((layer, budget, c)) for c in contexts]
+        per = [s for s in per if s and s[1]]
+        return sum(s[0] / s[1] for s in per) / len(per) if per else float("nan")
 
     def add(self, layer: int, budget: Fraction, context: int, name: str, values: Tuple[float, float, int]) -> None:
         s = self.sums.setdefault((layer, budget, context, name), [0.0, 0.0, 0])
@@ -313,14 +351,20 @@ def measure(
     out = Measurements()
     for context in settings.contexts:
         for wi, window in enumerate(windows[context]):
+            below: Dict[Fraction, torch.Tensor] = {}  # budget -> the previous sparse layer's learned rows
 
             def spy(layer: LayerInputs, width: int, stats) -> torch.Tensor:
                 for budget in settings.budgets:
                     w = max(1, int(context * budget))
                     bar.set_postfix_str(f"ctx {context} win {wi} layer {layer.layer_idx} W {w}")
                     rows = candidate_rows(layer, w, settings, candidates)
+                    own = rows[candidates[0].name]
+                    if settings.scan is not None and budget in below:
+                        rows[REUSE_BELOW] = below[budget]
+                        out.add_overlap(layer.layer_idx, budget, context, top_k_overlap(own, below[budget], layer))
                     for name, values in candidate_errors(layer, rows, w, settings.metric_stride).items():
                         out.add(layer.layer_idx, budget, context, name, values)
+                    below[budget] = own
                     bar.update()
                 return dense_rows(layer.lengths, width)  # the forward itself stays dense
 
@@ -370,6 +414,68 @@ def choose(measurements: Measurements, layers: Sequence[int], settings: Calibrat
                 best_other_error=best_e,
             )
     return out
+
+
+def choose_scanning(measurements: Measurements, layers: Sequence[int], settings: CalibrationSettings) -> Dict[str, object]:
+    """The profile's ``indexer_share``: which ``settings.scan`` sparse layers run the indexer.
+
+    A layer's cost is what reusing the learned rows of the sparse layer below costs its
+    output: ``cos_diff(reuse-below) - cos_diff(own learned rows)``, the mean over the
+    calibrated budgets (each the mean over contexts), as IndexCache ranks layers by their
+    adjacent-layer loss. The first sparse layer always scans (nothing is below it); the
+    others scan in order of decreasing cost (ties: the lower layer), ``scan - 1`` of them.
+    The top-k overlap with the layer below is recorded beside the cost.
+    """
+    layers = sorted(layers)
+    if settings.scan is None:
+        raise ValueError("settings.scan: expected the number of scanning layers, got None")
+    if settings.scan > len(layers):
+        raise ValueError(f"scan: expected at most the {len(layers)} sparse layers, got {settings.scan}")
+    baseline = settings.candidates()[0].name
+    cost: Dict[int, float] = {}
+    overlap: Dict[int, float] = {}
+    for layer in layers[1:]:
+        deltas = []
+        for b in settings.budgets:
+            reused = measurements.mean(layer, b, REUSE_BELOW, settings.contexts)[0]
+            own = measurements.mean(layer, b, baseline, settings.contexts)[0]
+            if reused == reused and own == own:
+                deltas.append(reused - own)
+        cost[layer] = sum(deltas) / len(deltas) if deltas else float("nan")
+        per = [measurements.mean_overlap(layer, b, settings.contexts) for b in settings.budgets]
+        per = [v for v in per if v == v]
+        overlap[layer] = sum(per) / len(per) if per else float("nan")
+    unmeasured = [x for x, c in cost.items() if c != c]
+    if unmeasured:
+        raise ValueError(f"scan: layers {unmeasured} have no measured row at any budget (every row dense); "
+                         f"calibrate a longer context")
+    ranked = sorted(layers[1:], key=lambda x: (-cost[x], x))
+    scanning = sorted([layers[0]] + ranked[: settings.scan - 1])
+    return {
+        "scanning": scanning,
+        "scan": f"{settings.scan} of {len(layers)}",
+        "rule": "the first sparse layer, then the layers whose output loses most (cos_diff, mean over the budgets) "
+                "by reusing the learned rows of the sparse layer below",
+        "ranked": ranked,
+        "cost_cos_diff": {str(x): cost[x] for x in layers[1:]},
+        "overlap": {str(x): overlap[x] for x in layers[1:]},
+        "env": "RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=profile",
+    }
+
+
+def format_scanning(profile: Dict[str, object]) -> str:
+    """The ``indexer_share`` choice as a table: per sparse layer, its reuse cost, overlap, scans."""
+    share = profile["indexer_share"]
+    lines = [f"\nScanning layers ({share['scan']}): {','.join(map(str, share['scanning']))} "
+             f"(serve with {share['env']})", "",
+             "| layer | cos_diff lost reusing the layer below | top-k overlap with the layer below | scans |",
+             "|---|---|---|---|"]
+    first = min(int(x) for x in profile["layers"])
+    lines.append(f"| {first} | - (first sparse layer) | - | yes |")
+    for x, cost in sorted(share["cost_cos_diff"].items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {x} | {cost:+.5f} | {share['overlap'][x]:.3f} | "
+                     f"{'yes' if int(x) in share['scanning'] else 'no'} |")
+    return "\n".join(lines)
 
 
 def model_fingerprint(lm: LoadedModel) -> ModelFingerprint:
@@ -608,6 +714,8 @@ def calibrate(
     choices = choose(measurements, lm.full_attention_layers, settings)
     extra = dict(extra_settings or {})
     profile = build_profile(lm, measurements, choices, settings, text=text, command=command, extra_settings=extra)
+    if settings.scan is not None:
+        profile["indexer_share"] = choose_scanning(measurements, lm.full_attention_layers, settings)
     profile["settings"]["measure_seconds"] = round(time.perf_counter() - start, 1)
     if guard:
         profile = guard_profile(lm, windows, profile, settings, progress=progress)

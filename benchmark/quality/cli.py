@@ -27,6 +27,7 @@ from benchmark.quality.policy_selectors import (
 )
 from benchmark.quality.raised_gate import evaluate_raised_gate, format_raised_gate, raised_gate_selectors
 from benchmark.quality.shared_gate import evaluate_shared_gate, format_shared_gate, shared_gate_selectors
+from benchmark.quality.shared_scans import PROFILE_SCAN, split_shared_name
 from benchmark.quality.report import markdown_report, write_outputs
 from benchmark.quality.runner import GridSettings, run_grid, select_all_self_check
 from benchmark.quality.selector_base import SelectorSettings
@@ -194,7 +195,8 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
             selectors = selectors + (PROFILE_SELECTOR,)
     else:
         for s in selectors:
-            if profile_selector_mode(s) is not None:
+            shared = split_shared_name(s)
+            if profile_selector_mode(s) is not None or (shared is not None and shared.needs_profile):
                 raise UsageError(f"--selectors: {s!r} needs --profile FILE")
     if args.windows < 1:
         raise UsageError(f"--windows: expected >= 1, got {args.windows}")
@@ -401,6 +403,11 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             profile = load_topology_profile(cfg["profile_path"], model_fingerprint=model_fingerprint(lm))
         except ValueError as exc:
             raise UsageError(f"--profile: {exc}") from exc
+        for s in cfg["selectors"]:
+            shared = split_shared_name(s)
+            if shared is not None and shared.scan == PROFILE_SCAN and profile.scanning_layers is None:
+                raise UsageError(f"--selectors: {s!r}: the profile {cfg['profile_path']} has no indexer_share.scanning "
+                                 f"set (benchmark/topology_kv_calibrate.py --scan K writes one)")
     token_ids = lm.tokenizer(source_text, add_special_tokens=False).input_ids
     windows = {
         ctx: sample_windows(token_ids, text_name, ctx, args.windows, args.window_seed) for ctx in cfg["contexts"]
@@ -443,7 +450,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
                  "sha256": text_source.get("sha256") if cfg["text_path"] is not None else None},
         "profile": None if cfg["profile_path"] is None else {
             "file": str(cfg["profile_path"]), "sha256": file_sha256(cfg["profile_path"]),
-            "policy": profile.policy.value, "text": dict(profile.text), "contexts": list(profile.contexts)},
+            "policy": profile.policy.value, "text": dict(profile.text), "contexts": list(profile.contexts),
+            "scanning_layers": None if profile.scanning_layers is None else list(profile.scanning_layers)},
         "bootstrap": vars(cfg["bootstrap"]),
         "probe": None if cfg["probe"] is None else {
             "segment": cfg["probe"].segment, "distances": [str(f) for f in cfg["probe"].distances],

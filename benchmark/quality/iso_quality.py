@@ -11,20 +11,28 @@ in only every ``K``-th sparse layer.
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from benchmark.quality.intervals import ratio_interval
 from benchmark.quality.runner import GridResult
-from benchmark.quality.shared_scans import split_shared_name
+from benchmark.quality.shared_scans import scan_share
 
 REFERENCE_BUDGET = Fraction(1, 8)
 
 
-def iso_quality(grid: GridResult, selectors: Sequence[str], reference: Fraction = REFERENCE_BUDGET) -> List[Dict]:
+def iso_quality(
+    grid: GridResult, selectors: Sequence[str], reference: Fraction = REFERENCE_BUDGET,
+    scans: Optional[Callable[[str], float]] = None,
+) -> List[Dict]:
     """One entry per (context, selector) with ``learned`` at ``reference`` in the grid:
-    ``budget`` (None when no budget of the grid is as good), its ``interval`` and ``kv_read``
-    (the attention's KV read relative to ``learned`` at ``reference``)."""
+    ``budget`` (None when no budget of the grid is as good), its ``interval``, ``kv_read``
+    (the attention's KV read relative to ``learned`` at ``reference``) and ``scans`` (the
+    share of sparse layers that scan: ``scans(name)``, default :func:`scan_share` without
+    the model's layers, ``1/K`` for ``learned-shared:K``)."""
+    if scans is None:
+        scans = lambda name: scan_share(name)  # noqa: E731
     out = []
     for ctx in sorted(grid.dense):
         ref = grid.cell(ctx, reference, "learned")
@@ -40,8 +48,7 @@ def iso_quality(grid: GridResult, selectors: Sequence[str], reference: Fraction 
                 if iv.lo <= 1.0:
                     found = {"budget": c.budget, "width": c.width, "interval": iv, "kv_read": float(c.budget / reference)}
                     break
-            shared = split_shared_name(name)
-            out.append({"context": ctx, "selector": name, "scans": 1.0 if shared is None else 1.0 / shared[0],
+            out.append({"context": ctx, "selector": name, "scans": scans(name),
                         "budgets": [str(c.budget) for c in cells], **(found or {"budget": None})})
     return out
 
@@ -67,4 +74,5 @@ def iso_quality_markdown(entries: Sequence[Dict], reference: Fraction = REFERENC
 
 def iso_quality_json(entries: Sequence[Dict]) -> List[Dict]:
     return [{**e, "budget": None if e["budget"] is None else str(e["budget"]),
+             "scans": None if math.isnan(e["scans"]) else e["scans"],
              "interval": e["interval"].to_json() if e.get("interval") is not None else None} for e in entries]

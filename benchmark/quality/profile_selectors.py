@@ -25,7 +25,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.profile import TopologyKVProfi
 
 def make_profile_selector(
     profile: TopologyKVProfile, settings: SelectorSettings, policy_settings: PolicySettings = None,
-    mode: Optional[str] = None,
+    mode: Optional[str] = None, base_rows=None,
 ) -> Selector:
     """Selector running ``profile.policy`` (or ``mode``, one it serves) with each layer's entry (see module doc).
 
@@ -33,7 +33,9 @@ def make_profile_selector(
 
     ``policy_settings`` gives what the profile does not fix (the budget rule; the witness
     signal when the profile records none); block size, the four structural fields and a
-    recorded witness signal come from the profile.
+    recorded witness signal come from the profile. ``base_rows(layer, width) -> (rows,
+    scores)``: the rows each layer's entry merges into (default: that layer's own trained
+    indexer rows; a skipped layer returns them as they are).
     """
     base = policy_settings or PolicySettings()
     if profile.witness_signal is not None:
@@ -45,11 +47,12 @@ def make_profile_selector(
         budget = profile.pick_budget(max(1, round(width * profile.reference_context / layer.key_length)))
         entry = profile.setting(layer.layer_idx, budget)
         if entry is None or entry.skipped:
-            return learned_rows_and_scores(layer, width, settings)[0]
+            return (learned_rows_and_scores(layer, width, settings) if base_rows is None
+                    else base_rows(layer, width))[0]
         key = (layer.layer_idx, budget)
         if key not in cache:
             ps = dataclasses.replace(base, block_size=profile.block_size, sink_blocks=0, **entry.to_json())
-            cache[key] = make_policy_selector(mode, settings, ps)
+            cache[key] = make_policy_selector(mode, settings, ps, base_rows=base_rows)
         return cache[key](layer, width, stats)
 
     return select_profile

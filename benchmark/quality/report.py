@@ -11,6 +11,7 @@ from typing import Dict, List, Sequence
 from benchmark.quality.gate import Verdict, check_mark
 from benchmark.quality.iso_quality import iso_quality, iso_quality_json, iso_quality_markdown
 from benchmark.quality.runner import GridResult, cell_summary, sorted_cells, stage_breakdown
+from benchmark.quality.shared_scans import scan_share
 
 
 def _f(x, digits=3) -> str:
@@ -23,6 +24,13 @@ def _trained_source(selector_settings) -> str:
     """Which trained indexer the run ranked with, for the report's prose."""
     source = selector_settings.get("trained_source") or ""
     return f"checkpoint `{os.path.basename(source)}`" if source else "no checkpoint file recorded"
+
+
+def scan_shares(settings: Dict):
+    """``name -> share of sparse layers that scan`` for this run's model and ``--profile``."""
+    layers = settings.get("model", {}).get("full_attention_layers")
+    profile = settings.get("profile") or {}
+    return lambda name: scan_share(name, layers, profile.get("scanning_layers"))
 
 
 def markdown_report(
@@ -45,7 +53,7 @@ def markdown_report(
             mode, status = (v.mode, v.status) if i == 0 else ("", "")
             out.append(f"| {mode} | {status} | {c.name} | {check_mark(c.passed)} | {c.detail} |")
     out += ["", *interval_table(grid, selector_order, settings)]
-    iso = iso_quality_markdown(iso_quality(grid, selector_order))
+    iso = iso_quality_markdown(iso_quality(grid, selector_order, scans=scan_shares(settings)))
     if iso:
         out += ["", *iso]
     probe = getattr(grid, "probe", None)
@@ -141,7 +149,7 @@ def json_report(grid: GridResult, selector_order: Sequence[str], verdicts: Seque
         "windows": {str(ctx): [w.describe() for w in ws] for ctx, ws in grid.windows.items()},
         "probe": None if getattr(grid, "probe", None) is None else grid.probe.to_json(),
         "cells": [cell_summary(grid, c) for c in sorted_cells(grid, selector_order)],
-        "iso_quality": iso_quality_json(iso_quality(grid, selector_order)),
+        "iso_quality": iso_quality_json(iso_quality(grid, selector_order, scans=scan_shares(settings))),
         "gate": [
             {"mode": v.mode, "status": v.status,
              "checks": [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in v.checks]}

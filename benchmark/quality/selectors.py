@@ -192,11 +192,20 @@ def make_selector(
         return policy_selectors.make_policy_selector(key, settings, policy_settings)
     shared = shared_scans.split_shared_name(key)
     if shared is not None:
-        every, mode = shared
-        if mode is None:
-            return shared_scans.make_shared_learned(every, settings)
-        return policy_selectors.make_policy_selector(mode, settings, policy_settings,
-                                                     base_rows=shared_scans.shared_base_rows(every, settings))
+        if shared.needs_profile and profile is None:
+            raise UsageError(f"--selectors: {key!r} needs a profile (--profile FILE)")
+        base_rows = shared_scans.shared_base_rows(shared.scan, settings, profile)
+        if shared.mode is None:
+            return shared_scans.make_shared_learned(shared.scan, settings, profile)
+        if shared.mode == shared_scans.PROFILE_MODE:
+            if profile.policy.value not in shared_scans.MERGE_MODES:
+                raise UsageError(f"--selectors: {key!r}: expected a merge-mode profile (one of "
+                                 f"{list(shared_scans.MERGE_MODES)}), got a {profile.policy.value} profile")
+            try:
+                return make_profile_selector(profile, settings, policy_settings, base_rows=base_rows)
+            except ValueError as exc:
+                raise UsageError(f"--selectors: {key!r}: {exc}") from None
+        return policy_selectors.make_policy_selector(shared.mode, settings, policy_settings, base_rows=base_rows)
     kind, mode = failure_modes.split_selector_name(key)
     if kind:
         failure = failure_settings or failure_modes.FailureSettings()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from fractions import Fraction
 from pathlib import Path
 
@@ -467,3 +468,102 @@ def test_the_guard_on_a_real_forward_reverts_exactly_the_budgets_it_reports(tmp_
     path = tmp_path / "guarded.json"
     path.write_text(json.dumps(profile))
     load_topology_profile(path, model_fingerprint=model_fingerprint(lm))
+
+
+def _measured_costs(costs, overlaps=None, budgets=(Fraction(1, 8), Fraction(1, 4)), context=128):
+    """Measurements whose layer ``x`` loses ``costs[x]`` cos_diff by reusing the layer below
+    (at every budget) and keeps ``overlaps[x]`` of its top-k."""
+    from benchmark.quality.calibration import REUSE_BELOW, Measurements
+
+    m = Measurements()
+    for x, c in costs.items():
+        for b in budgets:
+            m.add(x, b, context, "learned", (0.1 * 10, 0.0, 10))
+            m.add(x, b, context, REUSE_BELOW, ((0.1 + c) * 10, 0.0, 10))
+            m.add_overlap(x, b, context, ((overlaps or {}).get(x, 0.5) * 10, 10))
+    return m
+
+
+def test_the_scanning_set_is_the_first_layer_and_the_costliest_reusers():
+    from benchmark.quality.calibration import choose_scanning
+
+    settings = dataclasses.replace(SMALL, contexts=(128,), budgets=(Fraction(1, 8), Fraction(1, 4)), scan=3)
+    layers = (0, 1, 3, 4, 6)
+    # layer 0 has nothing below it; 3 and 6 tie at the top cost: both scan, then 4 is out.
+    m = _measured_costs({1: 0.01, 3: 0.05, 4: 0.02, 6: 0.05}, overlaps={1: 0.9, 3: 0.4})
+    share = choose_scanning(m, layers, settings)
+    assert share["scanning"] == [0, 3, 6] and share["ranked"] == [3, 6, 4, 1] and share["scan"] == "3 of 5"
+    assert share["cost_cos_diff"]["3"] == pytest.approx(0.05) and share["overlap"]["1"] == pytest.approx(0.9)
+    tie = choose_scanning(m, layers, dataclasses.replace(settings, scan=2))
+    assert tie["scanning"] == [0, 3]  # equal costs: the lower layer first
+    assert choose_scanning(m, layers, dataclasses.replace(settings, scan=1))["scanning"] == [0]
+    assert choose_scanning(m, layers, dataclasses.replace(settings, scan=5))["scanning"] == list(layers)
+    with pytest.raises(ValueError, match="scan: expected at most the 5 sparse layers, got 6"):
+        choose_scanning(m, layers, dataclasses.replace(settings, scan=6))
+    with pytest.raises(ValueError, match=r"scan: layers \[7\] have no measured row"):
+        choose_scanning(m, layers + (7,), settings)
+    with pytest.raises(ValueError, match="scan: expected an int >= 1"):
+        dataclasses.replace(settings, scan=0)
+    with pytest.raises(ValueError, match="scan: expected no scanning set for topology_only"):
+        dataclasses.replace(settings, policy="topology_only")
+
+
+def test_top_k_overlap_by_hand():
+    from benchmark.quality.calibration import top_k_overlap
+
+    layer = synthetic_layer(seed=1, layer_idx=0, T=6)
+    own = torch.tensor([[0, -1, -1], [0, 1, -1], [0, 1, 2], [1, 2, 3], [0, 2, 4], [3, 4, 5]], dtype=torch.int32)
+    other = torch.tensor([[0, -1, -1], [1, -1, -1], [2, 3, 4], [1, 2, 3], [1, 3, 5], [0, 1, 2]], dtype=torch.int32)
+    total, rows = top_k_overlap(own, other, layer)
+    assert rows == 6 and total == pytest.approx(1 + 0.5 + 1 / 3 + 1 + 0 + 0)
+
+
+def test_calibrating_a_scanning_set_serves_and_runs_in_the_harness(tmp_path):
+    from benchmark.quality.calibration import REUSE_BELOW, format_scanning
+    from benchmark.quality.runner import GridSettings, run_grid
+    from rtp_llm.models_py.modules.hybrid.indexer_share import ENV_INDEXER_SHARE, IndexerSharePlan
+
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (1500,), generator=_gen(6)).tolist()
+    settings = dataclasses.replace(SMALL, contexts=(192,), budgets=(Fraction(1, 8), Fraction(1, 4)), scan=1)
+    windows = {192: sample_windows(tokens, "rand", 192, 2, seed=0)}
+    profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
+                        progress=False, guard=False)
+    share = profile["indexer_share"]
+    assert share["scanning"] == [0] and share["scan"] == "1 of 2" and set(share["cost_cos_diff"]) == {"2"}
+    assert 0 <= share["overlap"]["2"] <= 1 and math.isfinite(share["cost_cos_diff"]["2"])
+    # Layer 0's learned rows are not layer 2's own (random indexers: the sign of the cost is not fixed).
+    assert share["overlap"]["2"] < 1 and share["cost_cos_diff"]["2"] != 0
+    assert f"| 2 | {share['cost_cos_diff']['2']:+.5f} | {share['overlap']['2']:.3f} | no |" in format_scanning(profile) and "| 0 | - (first sparse layer) | - | yes |" in format_scanning(profile)
+    # The first layer has no reuse measurement; the profile's per-candidate record is unchanged.
+    assert REUSE_BELOW not in profile["measurements"]["2"]["1/4"]["candidates"]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    loaded = load_topology_profile(path, model_fingerprint=model_fingerprint(lm))
+    assert loaded.scanning_layers == (0,)
+    plan = IndexerSharePlan.from_env({ENV_INDEXER_SHARE: "profile"}, lm.full_attention_layers, loaded)
+    assert plan.scanning == (0,) and plan.source(2) == 0
+    # In the harness, the profile's set (layer 0 only) is every-2 sharing over layers (0, 2);
+    # with each layer's profile entry on top it is the merge of the profile on shared rows.
+    names = ("learned", "learned-shared:2", "learned-shared:profile", "learned-shared:profile+profile",
+             "learned-shared:2+profile")
+    grid = run_grid(lm, windows, GridSettings(contexts=(192,), budgets=(Fraction(1, 4),), selectors=names,
+                                              selector_settings=SETTINGS, profile=loaded), progress=False)
+    ppl = {n: grid.cell(192, Fraction(1, 4), n).ppl for n in names}
+    assert ppl["learned-shared:profile"] == ppl["learned-shared:2"] != ppl["learned"]
+    assert ppl["learned-shared:profile+profile"] == ppl["learned-shared:2+profile"]
+
+
+def test_calibrate_cli_rejects_bad_scan_flags(capsys):
+    from benchmark.quality import calibrate_cli
+
+    for bad, message in (("0", "--scan: expected a number of layers K >= 1 or a fraction"),
+                         ("3/2", "--scan: expected"), ("1/0", "--scan: expected"), ("x", "got 'x'")):
+        assert calibrate_cli.main(["--scan", bad]) == 2
+        assert message in capsys.readouterr().err
+    assert calibrate_cli.main(["--scan", "2", "--policy", "topology_only"]) == 2
+    assert "--scan: expected a merge --policy" in capsys.readouterr().err
+    assert calibrate_cli.parse_scan("1/4", "topology_sparse_merge") == Fraction(1, 4)
+    assert calibrate_cli.resolve_scan(Fraction(1, 4), 30) == 8 and calibrate_cli.resolve_scan(Fraction(1, 4), 3) == 1
+    with pytest.raises(ValueError, match="at most the model's 3 sparse layers, got 4"):
+        calibrate_cli.resolve_scan(4, 3)

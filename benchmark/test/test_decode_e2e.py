@@ -481,9 +481,22 @@ def test_shared_variant_names_are_checked(capsys):
     for bad in ("learned-shared:0", "learned-shared:x", "learned-shared:2+topology_only", "learned-shared:"):
         with pytest.raises(SystemExit):
             e2e.parse_args(["--variants", "learned", bad])
-        assert f"--variants: expected learned-shared:K or learned-shared:K+<mode> with K >= 1" in capsys.readouterr().err
-    args = e2e.parse_args(["--variants", "learned", "learned-shared:4+topology_compress_sparse"])
-    assert args.variants == ["dense", "learned", "learned-shared:4+topology_compress_sparse"]
+        assert (f"--variants: {bad}: expected learned-shared:<scan> or learned-shared:<scan>+<mode> with <scan> "
+                "K (K >= 1), profile or a comma list of scanning layers") in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--variants", "learned-shared:profile"])
+    assert "the e2e takes no profile; write its scanning layers as learned-shared:L0,L1" in capsys.readouterr().err
+    args = e2e.parse_args(["--variants", "learned", "learned-shared:4+topology_compress_sparse",
+                           "learned-shared:0,1+topology_sparse_merge"])
+    assert args.variants == ["dense", "learned", "learned-shared:4+topology_compress_sparse",
+                             "learned-shared:0,1+topology_sparse_merge"]
+    from benchmark.e2e.indexers import share_plan
+
+    assert share_plan("learned-shared:0,2,3", range(5)).scanning == (0, 2, 3)
+    assert share_plan("learned-shared:3", range(5)).scanning == (0, 3)
+    with pytest.raises(ValueError, match=r"learned-shared:1,2='1,2': expected the first scanning layer to be the first "
+                                         r"sparse layer 0"):
+        share_plan("learned-shared:1,2", range(5))
 
 
 def test_the_shared_target_takes_the_fastest_configuration_at_learned_quality():

@@ -4,6 +4,8 @@ a new forward starting over, and the names (synthetic layer inputs, no model).""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from benchmark.quality.index_rows import check_engine_rows
 from benchmark.quality.policy_selectors import make_policy_selector
 from benchmark.quality.selector_base import learned_rows_and_scores
 from benchmark.quality.selectors import make_selector, needs_trained_indexer, resolve_selector_names
-from benchmark.quality.shared_scans import SharedScan, split_shared_name
+from benchmark.quality.shared_scans import SharedName, SharedScan, parse_shared_name, scan_share, split_shared_name
 from benchmark.quality.synthetic import synthetic_layer, synthetic_settings
 
 SETTINGS = synthetic_settings(seed=3)
@@ -73,17 +75,60 @@ def test_the_policy_runs_on_the_shared_rows_with_the_layers_own_witnesses(mode):
 
 
 def test_shared_names():
-    assert split_shared_name("learned-shared:4+topology_compress_sparse") == (4, "topology_compress_sparse")
-    assert split_shared_name(" Learned-Shared:2 ") == (2, None)
+    assert split_shared_name("learned-shared:4+topology_compress_sparse") == SharedName("every:4", "topology_compress_sparse")
+    assert split_shared_name(" Learned-Shared:2 ") == SharedName("every:2", None)
+    assert split_shared_name(" Learned-Shared:2 ").every == 2
+    assert split_shared_name("learned-shared:profile+profile") == SharedName("profile", "profile")
+    assert split_shared_name("learned-shared:profile").needs_profile and split_shared_name("learned-shared:profile").every is None
+    assert not split_shared_name("learned-shared:3+topology_sparse_merge").needs_profile
     assert split_shared_name("learned-stale") is None
-    for bad in ("learned-shared:0", "learned-shared:x", "learned-shared:2+topology_only", "learned-shared:"):
-        with pytest.raises(UsageError, match="expected learned-shared:K or learned-shared:K\\+<mode> with K >= 1"):
+    for bad in ("learned-shared:0", "learned-shared:x", "learned-shared:2+topology_only", "learned-shared:",
+                "learned-shared:0.3"):
+        with pytest.raises(UsageError, match="expected learned-shared:<scan> or learned-shared:<scan>\\+<mode> with "
+                                             "<scan> K \\(K >= 1\\), profile and <mode> one of"):
             resolve_selector_names(f"learned,{bad}")
+    # The e2e's variants may also name the scanning layers (its variants are not a comma list).
+    assert parse_shared_name("learned-shared:0,3,7+topology_sparse_merge", lists=True) == SharedName(
+        "0,3,7", "topology_sparse_merge")
+    with pytest.raises(ValueError, match="--variants: expected .* or a comma list of scanning layers"):
+        parse_shared_name("learned-shared:0,,3", lists=True, where="--variants")
+    with pytest.raises(ValueError, match="--selectors: expected"):
+        parse_shared_name("learned-shared:0,3")
     assert resolve_selector_names("learned,learned-shared:2,learned-shared:2+topology_sparse_merge") == (
         "learned", "learned-shared:2", "learned-shared:2+topology_sparse_merge")
     assert needs_trained_indexer(["learned-shared:2"])
     with pytest.raises(ValueError, match="every: expected an int >= 1, got 0"):
         SharedScan(0)
+
+
+class _ScanningProfile:
+    """The one field ``learned-shared:profile`` reads from a profile."""
+
+    def __init__(self, scanning):
+        self.scanning_layers = scanning
+
+
+@pytest.mark.parametrize("scanning, sources", [((2, 9), [0, 0, 0, 3, 3]), ((2, 5, 7, 9, 11), [0, 1, 2, 3, 4]),
+                                               ((2,), [0, 0, 0, 0, 0])])
+def test_the_profiles_scanning_layers_scan_and_the_rest_share(scanning, sources):
+    layers = _forward()
+    select = make_selector("learned-shared:profile", SETTINGS, profile=_ScanningProfile(scanning))
+    got = [select(layer, WIDTH, {}) for layer in layers]
+    for i, source in enumerate(sources):
+        assert torch.equal(got[i], _learned(layers[source])), (scanning, i)
+    assert scan_share("learned-shared:profile", (2, 5, 7, 9, 11), scanning) == len(scanning) / 5
+    assert scan_share("learned-shared:2", (2, 5, 7, 9, 11), None) == 3 / 5
+    assert scan_share("learned-shared:4") == 0.25 and scan_share("learned") == 1.0
+    assert math.isnan(scan_share("learned-shared:profile", (2, 5), None))
+
+
+def test_profile_scans_need_a_profile_with_a_scanning_set():
+    with pytest.raises(UsageError, match="'learned-shared:profile' needs a profile"):
+        make_selector("learned-shared:profile", SETTINGS)
+    with pytest.raises(UsageError, match="'learned-shared:2\\+profile' needs a profile"):
+        make_selector("learned-shared:2+profile", SETTINGS)
+    with pytest.raises(UsageError, match="needs --profile FILE with an indexer_share.scanning set"):
+        make_selector("learned-shared:profile", SETTINGS, profile=_ScanningProfile(None))
 
 
 def test_a_sharing_layer_with_other_query_rows_is_an_error():

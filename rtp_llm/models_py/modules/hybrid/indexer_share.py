@@ -14,7 +14,10 @@ The pattern is per model, over the model's sparse (indexer) layers in ascending 
   (``every:1`` is ``none``);
 * ``L0,L1,...``: exactly these layers scan; the list starts with the first sparse layer
   (a layer below every scanning layer would have nothing to reuse), each entry a sparse
-  layer, ascending, no repeats.
+  layer, ascending, no repeats;
+* ``profile``: the scanning set the calibration wrote into the profile
+  (``RTP_LLM_TOPOLOGY_KV_PROFILE``'s ``indexer_share.scanning``; the calibration ranks the
+  layers by what reusing the layer below costs them, ``--scan K``).
 
 Serving reads ``RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE`` once, when the model builds its layers
 (:meth:`IndexerSharePlan.from_env`), and hands the plan to each ``Indexer``. Within a
@@ -30,10 +33,11 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import shown
+from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import check_scanning_layers, shown
 
 ENV_INDEXER_SHARE = "RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE"
 SHARE_NONE = "none"
+SHARE_PROFILE = "profile"
 _EVERY = re.compile(r"every:([0-9]{1,6})")
 _LIST = re.compile(r"[0-9]{1,6}(,[0-9]{1,6})*")
 
@@ -58,7 +62,7 @@ class IndexerSharePlan:
         if list(sparse) != sorted(set(sparse)):
             raise ValueError(f"sparse_layers: expected ascending, without repeats, got {shown(sparse)}")
         scanning = tuple(self.scanning)
-        _check_scanning(scanning, sparse, "scanning")
+        check_scanning_layers(scanning, sparse, "scanning")
         object.__setattr__(self, "sparse_layers", sparse)
         object.__setattr__(self, "scanning", scanning)
         # layer -> the scanning layer whose rows it uses (itself when it scans), fixed here.
@@ -75,15 +79,34 @@ class IndexerSharePlan:
         return cls(tuple(sparse_layers), tuple(sparse_layers), SHARE_NONE)
 
     @classmethod
-    def parse(cls, text: str, sparse_layers: Sequence[int], *, where: str = ENV_INDEXER_SHARE) -> "IndexerSharePlan":
+    def parse(
+        cls, text: str, sparse_layers: Sequence[int], *, where: str = ENV_INDEXER_SHARE,
+        profile_scanning: Optional[Sequence[int]] = None, profile_path: Optional[str] = None,
+    ) -> "IndexerSharePlan":
         """The plan written as ``text`` (module docstring); ``ValueError`` naming ``where``,
-        the value and what was expected."""
+        the value and what was expected.
+
+        profile_scanning : the loaded profile's scanning layers (``TopologyKVProfile.scanning_layers``),
+            read for ``profile`` only; ``profile_path`` names that profile in errors
+            (None: no profile is loaded).
+        """
         sparse = tuple(sparse_layers)
         if not isinstance(text, str):
-            raise ValueError(f"{where}: expected 'none', 'every:K' or a comma list of layers, got {shown(text)}")
+            raise ValueError(f"{where}: expected 'none', 'every:K', 'profile' or a comma list of layers, "
+                             f"got {shown(text)}")
         key = text.strip().lower().replace(" ", "")
         if key in ("", SHARE_NONE):
             return cls.none(sparse)
+        if key == SHARE_PROFILE:
+            if profile_path is None:
+                raise ValueError(f"{where}=profile: expected a loaded profile (RTP_LLM_TOPOLOGY_KV_PROFILE), "
+                                 f"got none")
+            if profile_scanning is None:
+                raise ValueError(f"{where}=profile: the profile {shown(profile_path)} has no indexer_share.scanning "
+                                 f"(calibrate with --scan K to write one)")
+            layers = tuple(profile_scanning)
+            check_scanning_layers(layers, sparse, f"{where}=profile ({shown(profile_path)})")
+            return cls(sparse, layers, SHARE_PROFILE)
         every = _EVERY.fullmatch(key)
         if every:
             k = int(every.group(1))
@@ -91,16 +114,19 @@ class IndexerSharePlan:
                 raise ValueError(f"{where}={shown(text)}: expected every:K with K >= 1, got K = {k}")
             return cls(sparse, sparse[::k], f"every:{k}")
         if not _LIST.fullmatch(key):
-            raise ValueError(f"{where}={shown(text)}: expected 'none', 'every:K' (K >= 1) or a comma list of "
+            raise ValueError(f"{where}={shown(text)}: expected 'none', 'every:K' (K >= 1), 'profile' or a comma list of "
                              f"scanning layers (e.g. {','.join(str(x) for x in sparse[:2])})")
         layers = tuple(int(x) for x in key.split(","))
-        _check_scanning(layers, sparse, f"{where}={shown(text)}")
+        check_scanning_layers(layers, sparse, f"{where}={shown(text)}")
         return cls(sparse, layers, ",".join(str(x) for x in layers))
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str], sparse_layers: Sequence[int]) -> "IndexerSharePlan":
-        """:data:`ENV_INDEXER_SHARE` read once (unset or blank: ``none``)."""
-        return cls.parse(environ.get(ENV_INDEXER_SHARE) or SHARE_NONE, sparse_layers)
+    def from_env(cls, environ: Mapping[str, str], sparse_layers: Sequence[int], profile=None) -> "IndexerSharePlan":
+        """:data:`ENV_INDEXER_SHARE` read once (unset or blank: ``none``); ``profile``: the
+        model's loaded ``TopologyKVProfile`` or None, read for ``profile`` only."""
+        return cls.parse(environ.get(ENV_INDEXER_SHARE) or SHARE_NONE, sparse_layers,
+                         profile_scanning=None if profile is None else profile.scanning_layers,
+                         profile_path=None if profile is None else profile.path)
 
     @property
     def shares(self) -> bool:
@@ -121,20 +147,6 @@ class IndexerSharePlan:
     def scan_fraction(self) -> float:
         """Scanning layers / sparse layers."""
         return len(self.scanning) / len(self.sparse_layers)
-
-
-def _check_scanning(layers: Tuple[int, ...], sparse: Tuple[int, ...], where: str) -> None:
-    if not layers:
-        raise ValueError(f"{where}: expected at least one scanning layer, got none")
-    outside = [x for x in layers if x not in sparse]
-    if outside:
-        raise ValueError(f"{where}: layers {shown(outside)} are not sparse layers of this model "
-                         f"(expected a subset of {shown(list(sparse))})")
-    if list(layers) != sorted(set(layers)):
-        raise ValueError(f"{where}: expected ascending layers without repeats, got {shown(list(layers))}")
-    if layers[0] != sparse[0]:
-        raise ValueError(f"{where}: expected the first scanning layer to be the first sparse layer {sparse[0]} "
-                         f"(a layer below every scanning layer has no rows to reuse), got {layers[0]}")
 
 
 @dataclasses.dataclass

@@ -60,8 +60,8 @@ def test_each_layer_takes_the_nearest_scanning_layer_below_it():
 
 @pytest.mark.parametrize("text, message", [
     ("every:0", "expected every:K with K >= 1, got K = 0"),
-    ("every:-1", "expected 'none', 'every:K' (K >= 1) or a comma list"),
-    ("every2", "expected 'none', 'every:K' (K >= 1) or a comma list"),
+    ("every:-1", "expected 'none', 'every:K' (K >= 1), 'profile' or a comma list"),
+    ("every2", "expected 'none', 'every:K' (K >= 1), 'profile' or a comma list"),
     ("1,3", "expected the first scanning layer to be the first sparse layer 0"),
     ("0,7", "layers [7] are not sparse layers of this model"),
     ("0,3,2", "expected ascending layers without repeats"),

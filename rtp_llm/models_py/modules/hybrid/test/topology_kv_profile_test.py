@@ -127,6 +127,16 @@ BAD_PROFILES = [
     (_broken(lambda d: d.pop("command")), "command: expected the command line"),
     (_broken(lambda d: d["settings"].update(witness_signal="query_mass")),
      r"settings.witness_signal: expected a signal serving computes \(auto, key_drift, recency, or default\)"),
+    (_broken(lambda d: d.update(indexer_share=[0, 3])), "indexer_share: expected an object with the scanning layers"),
+    (_broken(lambda d: d.update(indexer_share={})), "indexer_share.scanning: expected a list of layer indices"),
+    (_broken(lambda d: d.update(indexer_share={"scanning": [1, 3]})),
+     "indexer_share.scanning: expected the first scanning layer to be the first sparse layer 0"),
+    (_broken(lambda d: d.update(indexer_share={"scanning": [0, 2]})),
+     r"indexer_share.scanning: layers \[2\] are not sparse layers of this model"),
+    (_broken(lambda d: d.update(indexer_share={"scanning": [0, 3, 1]})),
+     "indexer_share.scanning: expected ascending layers without repeats"),
+    (_broken(lambda d: d.update(indexer_share={"scanning": [0, True]})),
+     "indexer_share.scanning: expected a list of integers"),
     # topology_only: the structure is the whole row; no layer can skip to learned rows
     (_broken(lambda d: d["settings"].update(policy="topology_only")),
      "layers.0.1/16.max_structural_fraction: expected 1 for a topology_only profile"),
@@ -139,6 +149,30 @@ def test_bad_profiles_fail_naming_file_and_field(tmp_path, data, message):
     with pytest.raises(ValueError, match=message) as err:
         load_topology_profile(path, model_fingerprint=FINGERPRINT)
     assert str(path) in str(err.value)
+
+
+def test_a_scanning_set_loads_and_serves_as_the_share_plan(tmp_path):
+    from rtp_llm.models_py.modules.hybrid.indexer_share import ENV_INDEXER_SHARE, IndexerSharePlan
+
+    data = _profile_dict()
+    data["indexer_share"] = {"scanning": [0, 3], "cost": {"1": 0.01, "3": 0.2}}
+    p = load_topology_profile(_write(tmp_path, data), model_fingerprint=FINGERPRINT)
+    assert p.scanning_layers == (0, 3)
+    plan = IndexerSharePlan.from_env({ENV_INDEXER_SHARE: " Profile "}, FINGERPRINT.full_attention_layers, p)
+    assert plan.scanning == (0, 3) and plan.spec == "profile" and plan.source(1) == 0 and plan.scans(3)
+    # Without the variable the profile's set is not served: the default stays every layer scanning.
+    assert not IndexerSharePlan.from_env({}, FINGERPRINT.full_attention_layers, p).shares
+    plain = load_topology_profile(_write(tmp_path, _profile_dict(), "plain.json"), model_fingerprint=FINGERPRINT)
+    assert plain.scanning_layers is None
+    with pytest.raises(ValueError, match=r"RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=profile: the profile .*plain.json.* has no "
+                                         r"indexer_share.scanning \(calibrate with --scan K"):
+        IndexerSharePlan.from_env({ENV_INDEXER_SHARE: "profile"}, FINGERPRINT.full_attention_layers, plain)
+    with pytest.raises(ValueError, match="=profile: expected a loaded profile"):
+        IndexerSharePlan.from_env({ENV_INDEXER_SHARE: "profile"}, FINGERPRINT.full_attention_layers)
+    only = _only_profile_dict()
+    only["indexer_share"] = {"scanning": [0]}
+    with pytest.raises(ValueError, match="indexer_share: expected no scanning set in a topology_only profile"):
+        load_topology_profile(_write(tmp_path, only, "only.json"), model_fingerprint=FINGERPRINT)
 
 
 def test_wrong_model_names_both_fingerprints(tmp_path):

@@ -138,3 +138,21 @@ def select_request_rows(table: torch.Tensor, row_to_request: torch.Tensor, what:
     except (IndexError, RuntimeError):
         check_row_to_request(row_to_request, table.shape[0], what)
         raise
+
+
+def check_scanning_layers(layers: Sequence[int], sparse: Sequence[int], where: str) -> None:
+    """``ValueError`` naming ``where`` unless ``layers`` is a valid scanning set of the sparse
+    layers ``sparse`` (ascending): a non-empty, ascending subset without repeats that starts
+    with ``sparse[0]`` (a layer below every scanning layer has no rows to reuse)."""
+    layers, sparse = tuple(layers), tuple(sparse)
+    if not layers:
+        raise ValueError(f"{where}: expected at least one scanning layer, got none")
+    outside = [x for x in layers if x not in sparse]
+    if outside:
+        raise ValueError(f"{where}: layers {shown(outside)} are not sparse layers of this model "
+                         f"(expected a subset of {shown(list(sparse))})")
+    if list(layers) != sorted(set(layers)):
+        raise ValueError(f"{where}: expected ascending layers without repeats, got {shown(list(layers))}")
+    if layers[0] != sparse[0]:
+        raise ValueError(f"{where}: expected the first scanning layer to be the first sparse layer {sparse[0]} "
+                         f"(a layer below every scanning layer has no rows to reuse), got {layers[0]}")

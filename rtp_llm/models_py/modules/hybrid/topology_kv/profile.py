@@ -31,7 +31,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
-from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import shown
+from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import check_scanning_layers, shown
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     ENV_WITNESS_SIGNAL,
     IndexerTopologySettings,
@@ -160,6 +160,9 @@ class TopologyKVProfile:
     witness_signal : what ranked the witness blocks during calibration (``key_drift`` or
         ``recency``); serving must resolve to the same (:func:`layer_topology_settings`).
         None: not recorded (not checked)
+    scanning_layers : the full-attention layers that run the indexer scan when the others
+        share it (the profile's optional ``indexer_share.scanning``, served with
+        ``RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=profile``); None: the profile chose none
     """
 
     path: str
@@ -172,6 +175,7 @@ class TopologyKVProfile:
     command: str
     layers: Mapping[int, Mapping[Fraction, LayerBudgetSetting]]
     witness_signal: Optional[WitnessSignal] = None
+    scanning_layers: Optional[Tuple[int, ...]] = None
 
     @property
     def reference_context(self) -> int:
@@ -487,6 +491,7 @@ def parse_topology_profile(
             f"{source}: layers: missing full-attention layers {missing_layers} "
             f"(expected all of {list(model.full_attention_layers)})"
         )
+    scanning = _parse_indexer_share(source, data, model, policy)
     return TopologyKVProfile(
         path=source,
         model=model,
@@ -498,7 +503,26 @@ def parse_topology_profile(
         command=command,
         layers=layers,
         witness_signal=witness_signal,
+        scanning_layers=scanning,
     )
+
+
+def _parse_indexer_share(
+    source: str, data: Mapping[str, Any], model: ModelFingerprint, policy: TopologyKVPolicyMode
+) -> Optional[Tuple[int, ...]]:
+    """The optional ``indexer_share`` object's ``scanning`` list, validated; None when absent."""
+    if "indexer_share" not in data:
+        return None
+    where = f"{source}: indexer_share"
+    raw = _field(source, data, "indexer_share", dict, "an object with the scanning layers")
+    if policy is TopologyKVPolicyMode.TOPOLOGY_ONLY:
+        raise ValueError(f"{where}: expected no scanning set in a topology_only profile (that mode replaces the "
+                         f"rows a sharing layer would reuse), got {shown(raw.get('scanning'))}")
+    layers = _field(where, raw, "scanning", list, "a list of layer indices")
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in layers):
+        raise ValueError(f"{where}.scanning: expected a list of integers (layer indices), got {shown(layers)}")
+    check_scanning_layers(layers, model.full_attention_layers, f"{where}.scanning")
+    return tuple(layers)
 
 
 def load_topology_profile(path: Union[str, Path], *, model_fingerprint: ModelFingerprint) -> TopologyKVProfile:
