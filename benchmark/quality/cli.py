@@ -483,23 +483,24 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         print("\nCopy probe:")
         print(probe_summary(grid.probe, list(cfg["selectors"])))
     if args.raised_gate:
-        raised = evaluate_raised_gate(grid)
-        print("\nRaised gate:")
-        print(format_raised_gate(raised))
-        results_path = cfg["out_dir"] / "results.json"
-        payload = json.loads(results_path.read_text())
-        payload["raised_gate"] = [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in raised]
-        results_path.write_text(json.dumps(payload, indent=2, default=str))
+        _report_extra_gate(cfg["out_dir"], "raised_gate", "Raised gate", evaluate_raised_gate(grid), format_raised_gate)
     if args.shared_gate:
-        shared = evaluate_shared_gate(grid)
-        print("\nShared-scan gate:")
-        print(format_shared_gate(shared))
-        results_path = cfg["out_dir"] / "results.json"
-        payload = json.loads(results_path.read_text())
-        payload["shared_gate"] = [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in shared]
-        results_path.write_text(json.dumps(payload, indent=2, default=str))
+        scan_fraction = None if profile is None or profile.scanning_layers is None else (
+            len(profile.scanning_layers) / len(lm.full_attention_layers))
+        _report_extra_gate(cfg["out_dir"], "shared_gate", "Shared-scan gate",
+                           evaluate_shared_gate(grid, profile_scan_fraction=scan_fraction), format_shared_gate)
     print(f"\nmodel load {t_load:.1f} s, grid {t_grid:.1f} s; outputs: " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+def _report_extra_gate(out_dir: Path, key: str, title: str, checks, format_checks) -> None:
+    """Print a gate's checks and add them to ``out_dir/results.json`` under ``key``."""
+    print(f"\n{title}:")
+    print(format_checks(checks))
+    results_path = out_dir / "results.json"
+    payload = json.loads(results_path.read_text())
+    payload[key] = [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in checks]
+    results_path.write_text(json.dumps(payload, indent=2, default=str))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

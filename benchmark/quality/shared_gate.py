@@ -14,18 +14,22 @@ Checks, each printed PASS/FAIL/n/a with its numbers (perplexity over the whole w
 
 ``--shared-gate`` adds the selectors it needs (:func:`shared_gate_selectors`); the merge
 modes it judges are those of the run (``topology_sparse_merge`` by default, plus
-``topology_compress_sparse`` when ``--selectors`` names its shared variant).
+``topology_compress_sparse`` or the profile's entries, ``+profile``, when ``--selectors``
+names their shared variants). A calibrated scanning set (``learned-shared:profile``, with
+``--profile FILE`` and those selectors named) is judged the same way, against the bound of
+the every-``K`` pattern with as many scanning layers or fewer: a set scanning at least half
+the layers against +0.3%, one scanning at least a quarter against +1.0%.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from benchmark.quality.gate import Check
 from benchmark.quality.runner import GridResult
-from benchmark.quality.shared_scans import MERGE_MODES, SHARED_PREFIX
+from benchmark.quality.shared_scans import MERGE_MODES, PROFILE_MODE, PROFILE_SCAN, SHARED_PREFIX
 
 SHARES = (2, 4)
 
@@ -49,18 +53,38 @@ def shared_gate_selectors(selectors: Sequence[str]) -> List[str]:
     return out
 
 
-def _best_shared_merge(grid: GridResult, ctx: int, budget: Fraction, k: int):
-    cells = [grid.cell(ctx, budget, f"{SHARED_PREFIX}{k}+{m}") for m in MERGE_MODES]
+def _best_shared_merge(grid: GridResult, ctx: int, budget: Fraction, k):
+    cells = [grid.cell(ctx, budget, f"{SHARED_PREFIX}{k}+{m}") for m in MERGE_MODES + (PROFILE_MODE,)]
     cells = [c for c in cells if c is not None]
     return min(cells, key=lambda c: c.ppl) if cells else None
 
 
-def evaluate_shared_gate(grid: GridResult, thresholds: SharedGateThresholds = SharedGateThresholds()) -> List[Check]:
+def _configurations(grid: GridResult, thresholds: SharedGateThresholds, profile_scan_fraction: Optional[float]):
+    """``(scan name, label, bound)`` of each judged pattern: every ``K``, and the profile's set
+    when its cells are in the grid (its bound: the smallest ``K`` with ``1/K`` <= its share;
+    a set scanning under a quarter of the layers is not judged)."""
+    out = [(k, f"every {k}", thresholds.max_regression[k]) for k in SHARES]
+    if profile_scan_fraction is not None and any(c.selector.startswith(f"{SHARED_PREFIX}{PROFILE_SCAN}")
+                                                 for c in grid.cells):
+        fitting = [k for k in SHARES if 1.0 / k <= profile_scan_fraction + 1e-9]
+        if fitting:
+            k = min(fitting)
+            out.append((PROFILE_SCAN, f"by the profile ({profile_scan_fraction:.2f} of the layers scan)",
+                        thresholds.max_regression[k]))
+    return out
+
+
+def evaluate_shared_gate(
+    grid: GridResult, thresholds: SharedGateThresholds = SharedGateThresholds(),
+    profile_scan_fraction: Optional[float] = None,
+) -> List[Check]:
+    """The checks above per context; ``profile_scan_fraction``: the ``--profile``'s scanning
+    layers / sparse layers (None: no profile scanning set)."""
     checks: List[Check] = []
     budgets = sorted({c.budget for c in grid.cells})
+    configs = _configurations(grid, thresholds, profile_scan_fraction)
     for ctx in sorted(grid.dense):
-        for k in SHARES:
-            bound = thresholds.max_regression[k]
+        for k, label, bound in configs:
             parts, ok, measured = [], True, False
             for b in budgets:
                 best, learned = _best_shared_merge(grid, ctx, b, k), grid.cell(ctx, b, "learned")
@@ -73,10 +97,10 @@ def evaluate_shared_gate(grid: GridResult, thresholds: SharedGateThresholds = Sh
                     ok &= iv.hi - 1.0 <= bound
                 parts.append(f"{b}{'' if judged else ' (not judged)'}: {best.selector} {best.ppl:.3f} vs learned "
                              f"{learned.ppl:.3f} ({iv.describe_pct()})")
-            name = (f"shared every {k} + best merge vs learned at >= {thresholds.judged_from} (ctx {ctx}): "
+            name = (f"shared {label} + best merge vs learned at >= {thresholds.judged_from} (ctx {ctx}): "
                     f"95% CI upper bound <= +{bound * 100:g}%")
             checks.append(Check(name, ok if measured else None, "; ".join(parts) or "not measured"))
-        for k in SHARES:
+        for k, label, _ in configs:
             parts, ok, measured = [], True, False
             for b in budgets:
                 shared, learned = grid.cell(ctx, b, f"{SHARED_PREFIX}{k}"), grid.cell(ctx, b, "learned")
@@ -93,7 +117,7 @@ def evaluate_shared_gate(grid: GridResult, thresholds: SharedGateThresholds = Sh
                 ok &= rec >= thresholds.min_recovery
                 parts.append(f"{b}: shared {shared.ppl:.3f} ({iv.describe_pct()} vs learned) -> {best.ppl:.3f} "
                              f"(learned {learned.ppl:.3f}), recovers {rec * 100:.0f}%")
-            name = (f"shared every {k}: merge recovers >= {thresholds.min_recovery * 100:.0f}% of what sharing "
+            name = (f"shared {label}: merge recovers >= {thresholds.min_recovery * 100:.0f}% of what sharing "
                     f"loses (ctx {ctx})")
             checks.append(Check(name, ok if measured else (True if parts else None), "; ".join(parts) or "not measured"))
     return checks

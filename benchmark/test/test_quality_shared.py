@@ -205,3 +205,28 @@ def test_iso_quality_finds_the_smallest_budget_as_good_as_learned_at_one_eighth(
     assert f"| 100 | {m} | 1/32, 1/16, 1/8 | 1/16 | 6 |" in text and "| 100 | locality | 1/8, 1/4 | none of them |" in text
     json.dumps(iso_quality_json(list(got.values())))  # serialisable
     assert iso_quality(_grid({("learned", b4): 10.0}), ["learned"]) == []  # no learned at 1/8: nothing to compare
+
+
+def test_the_shared_gate_judges_a_profiles_scanning_set_with_its_best_merge():
+    from fractions import Fraction
+
+    from benchmark.quality.shared_gate import evaluate_shared_gate
+
+    b8, b4 = Fraction(1, 8), Fraction(1, 4)
+    p = "learned-shared:profile"
+    grid = _grid({
+        ("learned", b8): 11.0, ("learned", b4): 10.5,
+        # sharing alone +1% / +0.5%; the profile's entries (+profile) are the best merge: +0.2% / +0.1%
+        (p, b8): 11.11, (p + "+topology_sparse_merge", b8): 11.05, (p + "+profile", b8): 11.022,
+        (p, b4): 10.5525, (p + "+topology_sparse_merge", b4): 10.54, (p + "+profile", b4): 10.5105,
+    })
+    half = {c.name.split(" (ctx")[0]: c for c in evaluate_shared_gate(grid, profile_scan_fraction=0.5)}
+    cost = half["shared by the profile (0.50 of the layers scan) + best merge vs learned at >= 1/8"]
+    assert cost.passed is True and f"{p}+profile 11.022" in cost.detail and "+0.3%" in cost.name
+    rec = half["shared by the profile (0.50 of the layers scan): merge recovers >= 50% of what sharing loses"]
+    assert rec.passed is True and "recovers 80%" in rec.detail
+    # A set scanning a third of the layers is held to every 4's bound; under a quarter: not judged.
+    third = [c.name for c in evaluate_shared_gate(grid, profile_scan_fraction=1 / 3)]
+    assert any("(0.33 of the layers scan) + best merge" in n and "+1%" in n for n in third)
+    assert not any("by the profile" in c.name for c in evaluate_shared_gate(grid, profile_scan_fraction=0.2))
+    assert not any("by the profile" in c.name for c in evaluate_shared_gate(grid))
