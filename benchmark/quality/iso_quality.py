@@ -31,8 +31,7 @@ def iso_quality(
     (the attention's KV read relative to ``learned`` at ``reference``) and ``scans`` (the
     share of sparse layers that scan: ``scans(name)``, default :func:`scan_share` without
     the model's layers, ``1/K`` for ``learned-shared:K``)."""
-    if scans is None:
-        scans = lambda name: scan_share(name)  # noqa: E731
+    scans = scan_share if scans is None else scans
     out = []
     for ctx in sorted(grid.dense):
         ref = grid.cell(ctx, reference, "learned")

@@ -194,9 +194,9 @@ def make_selector(
     if shared is not None:
         if shared.needs_profile and profile is None:
             raise UsageError(f"--selectors: {key!r} needs a profile (--profile FILE)")
-        base_rows = shared_scans.shared_base_rows(shared.scan, settings, profile)
         if shared.mode is None:
             return shared_scans.make_shared_learned(shared.scan, settings, profile)
+        base_rows = shared_scans.shared_base_rows(shared.scan, settings, profile)
         if shared.mode == shared_scans.PROFILE_MODE:
             if profile.policy.value not in shared_scans.MERGE_MODES:
                 raise UsageError(f"--selectors: {key!r}: expected a merge-mode profile (one of "

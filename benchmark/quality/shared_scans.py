@@ -112,7 +112,7 @@ def scan_share(
     selector that does not share; for ``learned-shared:K`` the model's exact share, or
     ``1/K`` without ``full_attention_layers``; for ``learned-shared:profile`` the profile's
     (NaN without it)."""
-    shared = parse_shared_name(name) if name.strip().lower().startswith(SHARED_PREFIX) else None
+    shared = parse_shared_name(name)
     if shared is None:
         return 1.0
     layers = None if full_attention_layers is None else list(full_attention_layers)
@@ -149,7 +149,7 @@ class SharedScan:
         those of the forward's last scanning layer."""
         last = self._state.get(width)
         n = 0 if last is None or layer.layer_idx <= last[0] else last[1] + 1
-        if last is None or n == 0 or self._scans(layer.layer_idx, n):
+        if n == 0 or self._scans(layer.layer_idx, n):
             found = learned_rows_and_scores(layer, width, settings)
         else:
             found = last[2]
@@ -162,10 +162,10 @@ class SharedScan:
 
 def make_shared_learned(scan: str, settings: SelectorSettings, profile=None) -> Selector:
     """Selector ``learned-shared:<scan>``: the rows of the nearest scanning layer, unchanged."""
-    memory = SharedScan(scans=scanning_test(scan, profile), label=f"{SHARED_PREFIX}{scan}")
+    base_rows = shared_base_rows(scan, settings, profile)
 
     def select_shared(layer: LayerInputs, width: int, stats: Dict[str, float]) -> torch.Tensor:
-        return memory.rows(layer, width, settings)[0]
+        return base_rows(layer, width)[0]
 
     select_shared.__name__ = f"select_learned_shared_{scan.replace(':', '_')}"
     return select_shared
