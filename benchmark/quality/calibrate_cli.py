@@ -33,6 +33,7 @@ from benchmark.quality.calibration import (
     format_table,
     parse_components,
     plot_shares,
+    rescan_profile,
 )
 from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, is_file, shown
 from benchmark.quality.cli import _int_list, limit_heap_fragmentation, parse_budget
@@ -91,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "fraction such as 1/4 of them (rounded, at least 1); ranked by what reusing the layer "
                         "below costs each layer's output, written into the profile's indexer_share (served with "
                         "RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=profile); merge modes only")
+    p.add_argument("--rescan", default=None, metavar="PROFILE",
+                   help="re-choose the scanning set of PROFILE (calibrated with --scan) for this --scan from the "
+                        "reuse costs it recorded, without loading the model or measuring (seconds); writes "
+                        "--out-dir/profile.json with only indexer_share changed; takes no other flag")
     p.add_argument("--out-dir", default="report/topology_kv_profile", help="where profile.json and share_kept.png go")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-plots", action="store_true")
@@ -130,7 +135,10 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     from benchmark.quality.selector_base import SelectorSettings
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rescan is not None:
+        return rescan(parser, args, argv)
     contexts = _int_list(args.contexts, "--contexts") if args.contexts else DEFAULT_CONTEXTS
     budgets = tuple(sorted({parse_budget(b) for b in args.budgets.split(",") if b.strip()}))
     shares = tuple(sorted({parse_budget(s, "--shares") for s in args.shares.split(",") if s.strip()}))
@@ -207,6 +215,49 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         plot_shares(profile, out_dir / "share_kept.png")
         outputs.append(str(out_dir / "share_kept.png"))
     print(f"\ncalibration {profile['settings']['seconds']} s; outputs: {', '.join(outputs)}")
+    return 0
+
+
+RESCAN_FLAGS = ("rescan", "scan", "out_dir", "no_progress", "no_plots")
+
+
+def rescan(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``--rescan PROFILE --scan K``: the profile with a new scanning set, from its recorded costs."""
+    from rtp_llm.models_py.modules.hybrid.topology_kv.profile import read_profile_file
+
+    others = sorted(f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+                    if name not in RESCAN_FLAGS and value != parser.get_default(name))
+    if others:
+        raise UsageError(f"--rescan: expected only --scan and --out-dir (nothing is measured), got also "
+                         f"{' '.join(others)}")
+    if args.scan is None:
+        raise UsageError("--rescan: expected --scan K (the number or fraction of scanning layers), got none")
+    source = user_path(args.rescan)
+    try:
+        data, profile = read_profile_file(source)
+    except ValueError as exc:
+        raise UsageError(f"--rescan: {exc}") from None
+    if profile.policy.value == "topology_only":
+        raise UsageError(f"--rescan: expected a merge-mode profile (topology_only replaces the rows a sharing layer "
+                         f"would reuse), got {profile.path} with policy topology_only")
+    scan = parse_scan(args.scan, profile.policy.value)
+    layers = profile.model.full_attention_layers
+    try:
+        out_dir = check_output_dir("--out-dir", user_path(args.out_dir))
+    except FlagError as exc:
+        raise UsageError(str(exc)) from None
+    path = out_dir / "profile.json"
+    if path.exists() and path.resolve() == source.resolve():
+        raise UsageError(f"--out-dir: expected a folder other than the one holding --rescan's profile (it would be "
+                         f"overwritten), got {shown(args.out_dir)}")
+    command = "python benchmark/topology_kv_calibrate.py " + " ".join(shlex.quote(a) for a in argv)
+    try:
+        out = rescan_profile(data, layers, resolve_scan(scan, len(layers)), command.strip())
+    except ValueError as exc:
+        raise UsageError(f"--rescan: {profile.path}: {exc}") from None
+    path.write_text(json.dumps(out, indent=1))
+    print(format_scanning(out))
+    print(f"\noutputs: {path}")
     return 0
 
 

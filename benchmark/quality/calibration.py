@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import time
 from fractions import Fraction
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -449,11 +450,29 @@ def choose_scanning(measurements: Measurements, layers: Sequence[int], settings:
     if unmeasured:
         raise ValueError(f"scan: layers {unmeasured} have no measured row at any budget (every row dense); "
                          f"calibrate a longer context")
+    return pick_scanning(cost, overlap, layers, settings.scan)
+
+
+def pick_scanning(cost: Dict[int, float], overlap: Dict[int, float], layers: Sequence[int],
+                  scan: int) -> Dict[str, object]:
+    """``indexer_share`` from per-layer reuse costs: the first layer, then the ``scan - 1`` costliest.
+
+    ``cost`` and ``overlap`` hold every sparse layer but the first (``choose_scanning``'s
+    measurements, or a profile's recorded ``cost_cos_diff`` / ``overlap`` when only the
+    number of scanning layers changes). Ties go to the lower layer.
+    """
+    layers = sorted(layers)
+    if not 1 <= scan <= len(layers):
+        raise ValueError(f"scan: expected 1 to the {len(layers)} sparse layers, got {scan}")
+    missing = [x for x in layers[1:] if x not in cost or x not in overlap]
+    if missing:
+        raise ValueError(f"scan: expected a reuse cost and overlap for every sparse layer after the first, "
+                         f"missing layers {missing}")
     ranked = sorted(layers[1:], key=lambda x: (-cost[x], x))
-    scanning = sorted([layers[0]] + ranked[: settings.scan - 1])
+    scanning = sorted([layers[0]] + ranked[: scan - 1])
     return {
         "scanning": scanning,
-        "scan": f"{settings.scan} of {len(layers)}",
+        "scan": f"{scan} of {len(layers)}",
         "rule": "the first sparse layer, then the layers whose output loses most (cos_diff, mean over the budgets) "
                 "by reusing the learned rows of the sparse layer below",
         "ranked": ranked,
@@ -461,6 +480,34 @@ def choose_scanning(measurements: Measurements, layers: Sequence[int], settings:
         "overlap": {str(x): overlap[x] for x in layers[1:]},
         "env": "RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=profile",
     }
+
+
+def rescan_profile(data: Dict[str, object], layers: Sequence[int], scan: int, command: str) -> Dict[str, object]:
+    """A copy of the profile JSON ``data`` whose ``indexer_share`` scans ``scan`` layers.
+
+    The choice reuses the costs and overlaps the calibration recorded (``pick_scanning``);
+    nothing else changes except ``indexer_share.command``, the command that re-chose it.
+    ``ValueError`` when ``data`` holds no recorded costs (a profile calibrated without
+    ``--scan``) or they do not cover ``layers``.
+    """
+    share = data.get("indexer_share")
+    if not isinstance(share, dict) or not isinstance(share.get("cost_cos_diff"), dict) \
+            or not isinstance(share.get("overlap"), dict):
+        raise ValueError("expected a profile calibrated with --scan (its indexer_share.cost_cos_diff and .overlap "
+                         "hold each layer's reuse cost), got " +
+                         ("no indexer_share" if not isinstance(share, dict) else "an indexer_share without them"))
+    per = {}
+    for name in ("cost_cos_diff", "overlap"):
+        values = {}
+        for key, value in share[name].items():
+            if not re.fullmatch(r"[0-9]{1,6}", str(key)) or isinstance(value, bool) \
+                    or not isinstance(value, (int, float)) or value != value:
+                raise ValueError(f"indexer_share.{name}: expected layer index -> number, got {key!r}: {value!r}")
+            values[int(key)] = float(value)
+        per[name] = values
+    out = dict(data)
+    out["indexer_share"] = dict(pick_scanning(per["cost_cos_diff"], per["overlap"], layers, scan), command=command)
+    return out
 
 
 def format_scanning(profile: Dict[str, object]) -> str:

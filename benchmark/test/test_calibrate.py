@@ -567,3 +567,55 @@ def test_calibrate_cli_rejects_bad_scan_flags(capsys):
     assert calibrate_cli.resolve_scan(Fraction(1, 4), 30) == 8 and calibrate_cli.resolve_scan(Fraction(1, 4), 3) == 1
     with pytest.raises(ValueError, match="at most the model's 3 sparse layers, got 4"):
         calibrate_cli.resolve_scan(4, 3)
+
+
+def test_rescan_rechooses_the_scanning_set_from_the_recorded_costs_and_changes_nothing_else(tmp_path, capsys):
+    from benchmark.quality import calibrate_cli
+    from rtp_llm.models_py.modules.hybrid.topology_kv.profile import read_profile_file
+
+    source = next(p for p in SHIPPED if p.name == "smollm2_135m_merge.json")
+    data = json.loads(source.read_text())
+    layers = data["model"]["full_attention_layers"]
+    # Costs by hand: layer 12 the costliest, 20 and 7 tie next (the lower layer first), 24 after them.
+    costs = {x: 0.001 for x in layers[1:]}
+    costs.update({12: 0.09, 20: 0.04, 7: 0.04, 24: 0.02})
+    data["indexer_share"] = {"scanning": sorted(layers), "cost_cos_diff": {str(x): c for x, c in costs.items()},
+                             "overlap": {str(x): 0.7 for x in layers[1:]}}
+    given = tmp_path / "in" / "profile.json"
+    given.parent.mkdir()
+    given.write_text(json.dumps(data))
+    before = given.read_bytes()
+    out = tmp_path / "out"
+    out.mkdir()
+    assert calibrate_cli.main(["--rescan", str(given), "--scan", "3", "--out-dir", str(out)]) == 0
+    assert "Scanning layers (3 of 30): 0,7,12 " in capsys.readouterr().out
+    written, profile = read_profile_file(out / "profile.json")
+    assert profile.scanning_layers == (0, 7, 12) and written["indexer_share"]["ranked"][:4] == [12, 7, 20, 24]
+    assert "--rescan" in written["indexer_share"]["command"] and written["indexer_share"]["scan"] == "3 of 30"
+    assert {k: v for k, v in written.items() if k != "indexer_share"} == {k: v for k, v in data.items()
+                                                                          if k != "indexer_share"}
+    assert calibrate_cli.main(["--rescan", str(given), "--scan", "1/4", "--out-dir", str(out)]) == 0
+    assert read_profile_file(out / "profile.json")[1].scanning_layers == (0, 1, 2, 3, 7, 12, 20, 24)
+    assert given.read_bytes() == before
+    for argv, message in (
+        (["--scan", "3", "--windows", "3"], "--rescan: expected only --scan and --out-dir (nothing is measured), "
+                                            "got also --windows"),
+        ([], "--rescan: expected --scan K"),
+        (["--scan", "31"], "expected at most the model's 30 sparse layers, got 31"),
+        (["--scan", "3", "--out-dir", str(given.parent)], "--out-dir: expected a folder other than the one"),
+    ):
+        assert calibrate_cli.main(["--rescan", str(given), "--out-dir", str(out)] + argv) == 2
+        assert message in capsys.readouterr().err
+    assert calibrate_cli.main(["--rescan", str(source), "--scan", "3", "--out-dir", str(out)]) == 2
+    assert "expected a profile calibrated with --scan" in capsys.readouterr().err
+    data["indexer_share"]["cost_cos_diff"]["5"] = "high"
+    given.write_text(json.dumps(data))
+    assert calibrate_cli.main(["--rescan", str(given), "--scan", "3", "--out-dir", str(out)]) == 2
+    assert "indexer_share.cost_cos_diff: expected layer index -> number, got '5': 'high'" in capsys.readouterr().err
+    del data["indexer_share"]["overlap"]["5"], data["indexer_share"]["cost_cos_diff"]["5"]
+    given.write_text(json.dumps(data))
+    assert calibrate_cli.main(["--rescan", str(given), "--scan", "3", "--out-dir", str(out)]) == 2
+    assert "missing layers [5]" in capsys.readouterr().err
+    assert given.read_bytes() != before and calibrate_cli.main(["--rescan", str(tmp_path / "none.json"), "--scan",
+                                                                "3", "--out-dir", str(out)]) == 2
+    assert "--rescan: " in capsys.readouterr().err

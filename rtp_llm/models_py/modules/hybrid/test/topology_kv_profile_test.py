@@ -46,6 +46,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.profile import (
     ModelFingerprint,
     load_topology_profile,
     parse_topology_profile,
+    read_profile_file,
 )
 from tools.device_under_test import DEVICE
 
@@ -180,6 +181,18 @@ def test_wrong_model_names_both_fingerprints(tmp_path):
     with pytest.raises(ValueError) as err:
         load_topology_profile(_write(tmp_path, _profile_dict()), model_fingerprint=other)
     assert "tiny.gguf" in str(err.value) and "gemma-3-270m.gguf" in str(err.value)
+
+
+def test_a_profile_read_without_its_model_is_validated_for_the_model_it_names(tmp_path):
+    data, profile = read_profile_file(_write(tmp_path, _profile_dict()))
+    assert data == _profile_dict() and profile.model == FINGERPRINT
+    assert profile == load_topology_profile(_write(tmp_path, _profile_dict()), model_fingerprint=FINGERPRINT)
+    bad = _profile_dict()
+    bad["layers"]["1"]["1/4"] = dict(LOCAL_ONLY, sink_tokens=-1)
+    with pytest.raises(ValueError, match=r"profile.json: layers\.1\.1/4"):
+        read_profile_file(_write(tmp_path, bad))
+    with pytest.raises(ValueError, match="cannot read the topology KV profile"):
+        read_profile_file(tmp_path / "absent.json")
 
 
 def test_unreadable_file(tmp_path):

@@ -398,6 +398,21 @@ def parse_topology_profile(
     """Validate decoded profile JSON (:func:`load_topology_profile` without the file)."""
     if not isinstance(model_fingerprint, ModelFingerprint):
         raise TypeError(f"model_fingerprint: expected ModelFingerprint, got {type(model_fingerprint).__name__}")
+    return _parse_profile(data, model_fingerprint, source)
+
+
+def read_profile_file(path: Union[str, Path]) -> Tuple[Dict[str, Any], TopologyKVProfile]:
+    """The decoded JSON of a profile file and the profile, validated for the model it names.
+
+    For tools that rewrite a profile without loading its model; serving loads a profile
+    for its own model with :func:`load_topology_profile`.
+    """
+    data, source = read_profile_json(path)
+    return data, _parse_profile(data, None, source)
+
+
+def _parse_profile(data: Any, model_fingerprint: Optional[ModelFingerprint], source: str) -> TopologyKVProfile:
+    """:func:`parse_topology_profile`; ``model_fingerprint`` None accepts the profile's own model."""
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
     fmt = data.get("format")
@@ -421,7 +436,7 @@ def parse_topology_profile(
         )
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: {err}") from None
-    if not model.matches(model_fingerprint):
+    if model_fingerprint is not None and not model.matches(model_fingerprint):
         raise ValueError(
             f"{source}: model: the profile was made for {model.describe()}, but this model is "
             f"{model_fingerprint.describe()}; calibrate this model (benchmark/topology_kv_calibrate.py)"
@@ -532,6 +547,16 @@ def load_topology_profile(path: Union[str, Path], *, model_fingerprint: ModelFin
     wrong format/version, a profile made for another model (both fingerprints given),
     missing layers or budgets, unknown budget keys, settings the policy config rejects.
     """
+    data, source = read_profile_json(path)
+    return parse_topology_profile(data, model_fingerprint=model_fingerprint, source=source)
+
+
+def read_profile_json(path: Union[str, Path]) -> Tuple[Any, str]:
+    """The decoded JSON of the file at ``path`` and its display name, not yet validated.
+
+    The read is bounded and never blocks (:func:`_read_profile_text`); a duplicate key or
+    bad JSON is a ``ValueError`` naming the file.
+    """
     source = _display_path(str(path))
     text = _read_profile_text(path, source)
     try:
@@ -541,7 +566,7 @@ def load_topology_profile(path: Union[str, Path], *, model_fingerprint: ModelFin
     except ValueError as err:  # json.JSONDecodeError and every other decoding error
         raise ValueError(f"{source}: not valid JSON: {shown(str(err))}") from None
     _refuse_duplicates(source, data)
-    return parse_topology_profile(data, model_fingerprint=model_fingerprint, source=source)
+    return data, source
 
 
 def _read_profile_text(path: Union[str, Path], source: str) -> str:
