@@ -47,6 +47,7 @@ from typing import Dict, List, Optional
 import torch
 
 from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, check_output_file, is_file, shown
+from benchmark.progress import NO_PROGRESS_HELP
 from benchmark.indexer.checkpoints import model_rope_theta, parse_shape, resolve_shape
 from benchmark.indexer.evaluate import REUSE_BELOW
 from benchmark.quality.text import NOVELS
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (tests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     return p
 
 
@@ -197,9 +198,9 @@ def _rows(length, count, first, seed, extra=()):
 
 
 def _bar(total, desc, disable):
-    from tqdm import tqdm
+    from benchmark.progress import progress_bar
 
-    return tqdm(total=total, desc=desc, disable=disable, dynamic_ncols=True, unit="step" if "train" in desc else "fwd")
+    return progress_bar(total, desc, "step" if "train" in desc else "fwd", not disable)
 
 
 def train(args, lm, corpus, layers, shape, progress: bool):

@@ -36,6 +36,7 @@ from benchmark.quality.calibration import (
     rescan_profile,
 )
 from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, is_file, shown
+from benchmark.progress import NO_PROGRESS_HELP
 from benchmark.quality.cli import _int_list, limit_heap_fragmentation, parse_budget
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.paths import default_data_dir, user_path
@@ -99,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="report/topology_kv_profile", help="where profile.json and share_kept.png go")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     return p
 
 

@@ -343,12 +343,12 @@ def measure(
     progress: bool = True,
 ) -> Measurements:
     """One dense forward per window; every full-attention layer measured on its own dense inputs."""
-    from tqdm import tqdm
+    from benchmark.progress import progress_bar
 
     candidates = settings.candidates()
     full_layers = frozenset(lm.full_attention_layers)
     total = sum(len(w) for w in windows.values()) * len(full_layers) * len(settings.budgets)
-    bar = tqdm(total=total, disable=not progress, unit="layer-budget", dynamic_ncols=True)
+    bar = progress_bar(total, "calibrate", "layer-budget", progress)
     out = Measurements()
     for context in settings.contexts:
         for wi, window in enumerate(windows[context]):

@@ -15,6 +15,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, is_file, shown
+from benchmark.progress import NO_PROGRESS_HELP
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.gate import GateThresholds, evaluate_gate, format_gate, never_worse_pairs
 from benchmark.quality.model import load_gguf_model
@@ -163,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--skip-self-check", action="store_true", help="skip the select-all == dense logits check "
                    "that runs before the grid (512 tokens, a few seconds)")
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     return p
 
 

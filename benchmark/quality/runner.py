@@ -232,7 +232,7 @@ def run_grid(
     probes : context -> :class:`~benchmark.quality.probe.ProbeWindow` list: the copy probe
         runs each of them dense and under every (budget, selector), without metrics.
     """
-    from tqdm import tqdm
+    from benchmark.progress import progress_bar
 
     selectors = {
         n: make_selector(n, settings.selector_settings, settings.policy_settings, profile=settings.profile)
@@ -242,7 +242,7 @@ def run_grid(
     probes = probes or {}
     total = sum(len(w) * (1 + len(settings.budgets) * len(selectors)) for w in windows.values())
     total += sum(len(probes.get(c, ())) * (1 + len(settings.budgets) * len(selectors)) for c in windows)
-    bar = tqdm(total=total, disable=not progress, unit="fwd", dynamic_ncols=True)
+    bar = progress_bar(total, "quality grid", "fwd", progress)
     dense: Dict[int, DenseResult] = {}
     cells: Dict[Tuple[int, Fraction, str], CellResult] = {}
     for context in settings.contexts:
