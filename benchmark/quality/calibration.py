@@ -51,6 +51,7 @@ from benchmark.quality.index_rows import dense_rows, rows_to_mask
 from benchmark.quality.layer import DEFAULT_QUERY_CHUNK, LayerInputs, masked_softmax
 from benchmark.quality.metrics import attention_recall, measured_rows, output_cos_diff
 from benchmark.quality.model import LoadedModel
+from benchmark.quality.paths import shown_path
 from benchmark.quality.policy_selectors import PolicySettings, make_policy_selector
 from benchmark.quality.selector_base import SelectorSettings, learned_rows_and_scores
 from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan
@@ -530,6 +531,15 @@ def model_fingerprint(lm: LoadedModel) -> ModelFingerprint:
     return ModelFingerprint(lm.gguf_sha256, name, lm.model.config.num_hidden_layers, tuple(lm.full_attention_layers))
 
 
+def _indexer_note(settings: CalibrationSettings) -> str:
+    """The profile's ``settings.indexer``: which trained indexer the merge rows start from."""
+    if settings.policy == ONLY:
+        return "none (topology_only replaces the learned rows)"
+    source = settings.selector_settings.trained_source
+    return (f"trained ({shown_path(source) if source else 'none given'}), fp8 "
+            + ("on" if settings.selector_settings.fp8 else "off"))
+
+
 def build_profile(
     lm: LoadedModel,
     measurements: Measurements,
@@ -588,9 +598,7 @@ def build_profile(
             "margin": settings.margin,
             "metric_stride": settings.metric_stride,
             "witness_signal": settings.resolved_witness_signal,
-            "indexer": "none (topology_only replaces the learned rows)" if settings.policy == ONLY else
-                       f"trained ({settings.selector_settings.trained_source or 'none given'}), fp8 "
-                       + ("on" if settings.selector_settings.fp8 else "off"),
+            "indexer": _indexer_note(settings),
             **(extra_settings or {}),
         },
         "command": command,

@@ -39,6 +39,14 @@ def user_path(path: str | os.PathLike) -> Path:
     return (Path(base) / p) if base else (Path.cwd() / p)
 
 
+def shown_path(path: str | os.PathLike) -> str:
+    """``path`` relative to the repository when inside it (files written for others to read), else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(repo_root().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def file_sha256(path: Path) -> str:
     """Hex sha256 of a file, read 4 MiB at a time (model files are hundreds of MB)."""
     digest = hashlib.sha256()
