@@ -42,7 +42,14 @@ from benchmark.e2e.decode import build_batch, decode_batch, kv_geometry, step_in
 from benchmark.e2e.indexers import DSA_RATIO, PRESETS, VARIANTS, check_variant, resolve_indexer_shape  # noqa: F401
 from benchmark.e2e.layout import Layout, request_lengths, rows_to_slots, slots_of  # noqa: F401
 from benchmark.e2e.policy_counters import format_counter_table  # noqa: F401
-from benchmark.e2e.report import format_merged, format_table, format_targets, targets, write_merged  # noqa: F401
+from benchmark.e2e.report import (  # noqa: F401
+    format_iso_quality,
+    format_merged,
+    format_table,
+    format_targets,
+    targets,
+    write_merged,
+)
 from benchmark.e2e.runner import load_model, run, run_one  # noqa: F401
 
 
@@ -190,6 +197,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(format_table(result["rows"]))
     print()
     print(format_targets(result["targets"]))
+    if result.get("iso_quality"):
+        print()
+        print(format_iso_quality(result["iso_quality"]))
     print("\npolicy counters (every decode step, summed over layers; the metrics exporter's totals):\n")
     print(format_counter_table(result["rows"]))
     if args.json:

@@ -127,6 +127,68 @@ def fastest_at_learned_quality(single: List[Row], learned: Dict[Tuple[object, ..
     return item
 
 
+ISO_REFERENCE = 8  # learned at W = context / 8: the reference of the iso-quality budgets
+
+
+def iso_quality(rows: List[Row], reference: int = ISO_REFERENCE) -> List[Row]:
+    """Per (indexer, context, batch) and variant: the smallest budget ``W`` at which the
+    variant's mean KL to dense is at most ``learned``'s at ``W = context / reference``.
+
+    Each entry has ``budget`` (None: no swept ``W`` is as good), ``mean_kl`` beside the
+    reference's, and what that ``W`` costs relative to the reference: ``step`` (the ratio of
+    the median steps; the budgets decode in different rounds, so not paired), ``attention``
+    (the attention column), ``kv_read`` (KV bytes read per step). One-row-per-request rows;
+    a (context, batch) without ``learned`` at the reference budget gives no entries. The
+    KL is a point estimate over the decoded steps (no interval).
+    """
+    single = [r for r in rows if r["rows_per_request"] == 1 and r["variant"] != "dense"
+              and r.get("mean_kl") is not None]
+    out = []
+    groups = sorted({(r.get("indexer_preset") or "", r.get("indexer_heads") or 0, r.get("indexer_dim") or 0,
+                      r["context"], r["batch"]) for r in single})
+    for preset, heads, dim, context, batch in groups:
+        here = [r for r in single if (r.get("indexer_preset") or "", r.get("indexer_heads") or 0,
+                                      r.get("indexer_dim") or 0, r["context"], r["batch"])
+                == (preset, heads, dim, context, batch)]
+        ref_w = context // reference
+        ref = next((r for r in here if r["variant"] == "learned" and r["budget"] == ref_w), None)
+        if ref is None:
+            continue
+        for variant in dict.fromkeys(r["variant"] for r in here):
+            swept = sorted((r for r in here if r["variant"] == variant), key=lambda r: r["budget"])
+            hit = next((r for r in swept if r["mean_kl"] <= ref["mean_kl"]), None)
+            entry = {"indexer_preset": preset or None, "context": context, "batch": batch, "variant": variant,
+                     "reference_budget": ref_w, "reference_kl": ref["mean_kl"],
+                     "budgets": [r["budget"] for r in swept], "budget": None if hit is None else hit["budget"]}
+            if hit is not None:
+                entry.update(mean_kl=hit["mean_kl"], step=hit["step_ms_median"] / ref["step_ms_median"],
+                             attention=hit["attention_ms"] / ref["attention_ms"] if ref.get("attention_ms") else None,
+                             kv_read=hit["kv_bytes_per_step"] / ref["kv_bytes_per_step"]
+                             if ref.get("kv_bytes_per_step") else None)
+            out.append(entry)
+    return out
+
+
+def format_iso_quality(entries: List[Row]) -> str:
+    """The :func:`iso_quality` entries as one markdown table (empty string when none)."""
+    if not entries:
+        return ""
+    lines = [f"Iso-quality budgets: the smallest swept W with mean KL to dense <= learned's at W = context / "
+             f"{ISO_REFERENCE} (point KL, no interval); step, attention and KV read (attended K/V plus scanned "
+             "indexer keys) relative to that learned row (ratio of medians, not paired)", "",
+             "| context | B | variant | W swept | iso W | mean KL (learned at ref) | step | attention | KV read |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        head = (f"| {e['context']} | {e['batch']} | {e['variant']} | {','.join(map(str, e['budgets']))} | ")
+        if e["budget"] is None:
+            lines.append(head + f"none | - ({e['reference_kl']:.4f}) | - | - | - |")
+            continue
+        ratio = lambda v: "-" if v is None else f"{v:.3f}x"  # noqa: E731
+        lines.append(head + f"{e['budget']} | {e['mean_kl']:.4f} ({e['reference_kl']:.4f}) | {ratio(e['step'])} | "
+                     f"{ratio(e['attention'])} | {ratio(e['kv_read'])} |")
+    return "\n".join(lines)
+
+
 def step_ratio(row: Row, base: Row) -> float:
     """``row``'s step time relative to ``base``'s (same batch, decoded interleaved with it):
     the median over steps of the paired ratio ``row_i / base_i`` (step ``i`` of both ran in
@@ -260,7 +322,7 @@ def merge_runs(payloads: Sequence[Tuple[str, Row]]) -> Row:
                                  "configurations")
             seen[ident] = source
             rows.append({**r, "source": source})
-    return {"runs": runs, "rows": rows, "targets": targets(rows)}
+    return {"runs": runs, "rows": rows, "targets": targets(rows), "iso_quality": iso_quality(rows)}
 
 
 # Flags whose default a reconstructed command leaves out (the command line's defaults).
@@ -309,6 +371,8 @@ def format_merged(merged: Row, plot_name: Optional[str] = PLOT_NAME) -> str:
                      f"({_heads_dims(ind['heads'], ind['dim'])}, {ind['ratio_to_attention']:.3f} of attention's "
                      f"multiply-adds per key); {machine_of(env)}, torch {env.get('torch', '?')}")
     lines += ["", format_table(merged["rows"]), "", "```", format_targets(merged["targets"]), "```"]
+    if merged.get("iso_quality"):
+        lines += ["", format_iso_quality(merged["iso_quality"])]
     if plot_name:
         lines += ["", f"![step time vs batch]({plot_name})", "", f"![step time vs KL]({PARETO_NAME})"]
     return "\n".join(lines) + "\n"

@@ -32,7 +32,7 @@ from benchmark.e2e.indexers import DSA_RATIO, IndexerShape, resolve_indexer_shap
 from benchmark.e2e.layout import request_lengths
 from benchmark.e2e.memory import memory_counter
 from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY, sum_totals
-from benchmark.e2e.report import targets
+from benchmark.e2e.report import iso_quality, targets
 
 
 def kv_bytes_per_step(step: Dict[str, float], Hkv: int, D: int, Di: int) -> int:
@@ -204,6 +204,7 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "merge", "out")},
         "rows": rows,
         "targets": targets(rows),
+        "iso_quality": iso_quality(rows),
     }
 
 

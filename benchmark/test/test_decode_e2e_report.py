@@ -226,3 +226,34 @@ def test_the_runs_line_names_the_device():
     assert "; 2 threads on x86_64, torch 2.x" in runs[0] and "--device" not in runs[0]
     assert "; CUDA NVIDIA H200 (host x86_64, 16 threads), torch 2.x" in runs[1]
     assert "--budget 1024 --indexer-preset dsa-ratio --device cuda`" in runs[1]
+
+
+def test_iso_quality_is_the_smallest_budget_as_good_as_learned_at_an_eighth_of_the_context():
+    def at(variant, w, ms, kl, batch=1):
+        r = row(variant, 8192, batch, ms, budget=w)
+        r.update(mean_kl=kl, attention_ms=ms / 2, kv_bytes_per_step=1000.0 * w)
+        return r
+
+    M, S, NEVER = "learned+topology_sparse_merge", "learned-shared:2", "learned-shared:4"
+    rows = [at("dense", w, 300.0, 0.0) for w in (512, 1024, 2048)]
+    rows += [at("learned", 512, 90.0, 0.08), at("learned", 1024, 100.0, 0.05), at("learned", 2048, 120.0, 0.02)]
+    # The merge is as good as learned@1024 already at 512; sharing alone only at 2048; one never.
+    rows += [at(M, 512, 80.0, 0.05), at(M, 1024, 95.0, 0.01), at(M, 2048, 130.0, 0.005)]
+    rows += [at(S, 512, 60.0, 0.2), at(S, 1024, 70.0, 0.06), at(S, 2048, 90.0, 0.049)]
+    rows += [at(NEVER, 1024, 50.0, 0.3)]
+    rows += [at("learned", 512, 40.0, 0.1, batch=8)]  # batch 8 has no learned at 1024: no entry
+    entries = {e["variant"]: e for e in report.iso_quality(rows)}
+    assert set(entries) == {"learned", M, S, NEVER}
+    assert entries["learned"]["budget"] == 1024 and entries["learned"]["step"] == 1.0
+    m = entries[M]
+    assert (m["budget"], m["mean_kl"], m["reference_kl"]) == (512, 0.05, 0.05)
+    assert m["step"] == pytest.approx(0.8) and m["attention"] == pytest.approx(0.8) and m["kv_read"] == 0.5
+    s = entries[S]
+    assert (s["budget"], s["step"], s["kv_read"]) == (2048, pytest.approx(0.9), 2.0) and s["budgets"] == [512, 1024, 2048]
+    assert entries[NEVER]["budget"] is None
+    text = report.format_iso_quality(report.iso_quality(rows))
+    assert "| 8192 | 1 | learned+topology_sparse_merge | 512,1024,2048 | 512 | 0.0500 (0.0500) | 0.800x | 0.800x | 0.500x |" in text
+    assert "| 8192 | 1 | learned-shared:4 | 1024 | none | - (0.0500) | - | - | - |" in text
+    assert report.format_iso_quality([]) == "" and report.iso_quality([r for r in rows if r["budget"] != 1024]) == []
+    merged = report.merge_runs([("a", payload(rows))])
+    assert merged["iso_quality"] == report.iso_quality(rows) and "Iso-quality budgets" in report.format_merged(merged)
