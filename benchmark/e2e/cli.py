@@ -34,6 +34,7 @@ from typing import List, Optional
 import torch
 
 from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, check_output_file, given_flags, shown
+from benchmark.progress import NO_PROGRESS_HELP
 from benchmark.quality.text import NOVELS
 
 # The command line's own names, and those the tests and the validation report import from here.
@@ -88,7 +89,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="tiny run: context 512, batches 1 and 4, 4 tokens, 4 layers, budget 256")
     p.add_argument("--json", default=None, help="write rows and environment here")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="no run: merge these --json files into one report (needs --out)")
     p.add_argument("--out", default=None, help="with --merge: folder for e2e.md, e2e.json and the plot")

@@ -170,13 +170,11 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
     log(f"[e2e] {what}: {shape.heads} heads x {shape.dim} dims = {shape.macs_per_key} "
         f"multiply-adds per key, {shape.ratio_to_attention:.3f} of attention's {shape.attention_macs_per_key} "
         f"(DSA: {DSA_RATIO:.3f})")
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is pinned in requirements.txt
-        tqdm = None
+    from benchmark.progress import progress_bar
+
     configs = [(c, b, w) for c in args.contexts for b in args.batches for w in args.budget]
     total = len(configs) * args.new_tokens
-    bar = None if (tqdm is None or args.no_progress) else tqdm(total=total, desc="decode e2e steps", file=sys.stderr)
+    bar = progress_bar(total, "decode e2e steps", "step", not args.no_progress)
     rows: List[Dict[str, object]] = []
     T = args.next_n + 1
     prefilled = None
@@ -189,14 +187,12 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
             prefilled = (context, (*prefill_text(model, text[:context], want), want))
 
         def on_step(i, context=context, batch=batch, width=width):
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(context=context, batch=batch, W=width)
+            bar.update(1)
+            bar.set_postfix_str(f"context {context} batch {batch} W {width}")
 
         rows += run_one(model, text, lens, args.variants, args.new_tokens, args.next_n, width, shape,
                         args.warmup, on_step, log, prefilled[1], trained)
-    if bar is not None:
-        bar.close()
+    bar.close()
     return {
         "environment": environment(device),
         "model": loaded.describe(),
