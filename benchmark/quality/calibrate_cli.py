@@ -251,9 +251,13 @@ def rescan(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequ
     if path.exists() and path.resolve() == source.resolve():
         raise UsageError(f"--out-dir: expected a folder other than the one holding --rescan's profile (it would be "
                          f"overwritten), got {shown(args.out_dir)}")
+    try:
+        count = resolve_scan(scan, len(layers))
+    except ValueError as exc:
+        raise UsageError(f"--scan: {exc}") from None
     command = "python benchmark/topology_kv_calibrate.py " + " ".join(shlex.quote(a) for a in argv)
     try:
-        out = rescan_profile(data, layers, resolve_scan(scan, len(layers)), command.strip())
+        out = rescan_profile(data, layers, count, command.strip())
     except ValueError as exc:
         raise UsageError(f"--rescan: {profile.path}: {exc}") from None
     path.write_text(json.dumps(out, indent=1))

@@ -8,9 +8,12 @@ Checks, each printed PASS/FAIL/n/a with its numbers (perplexity over the whole w
    ``K = 4``, judged on the upper bound of the bootstrap interval of
    ``ppl(shared + mode) / ppl(learned)``. Other budgets are printed, not judged.
 2. *Structure recovers what sharing loses*: at every budget where sharing alone
-   (``learned-shared:K``) has a higher perplexity than ``learned``, the best merge on top
-   recovers at least ``min_recovery`` (half) of it,
-   ``(ppl_shared - ppl_shared_merged) / (ppl_shared - ppl_learned)``.
+   (``learned-shared:K``) measurably loses (the interval of ``ppl(shared) / ppl(learned)``
+   lies above 1), the best merge on top recovers at least ``min_recovery`` (half) of it,
+   ``(ppl_shared - ppl_shared_merged) / (ppl_shared - ppl_learned)``. A loss inside the
+   interval's noise is printed, not judged: the fraction of it recovered is noise too
+   (with a loss of +0.06% [-0.10%, +0.25%] it can be anything from far below 0 to far
+   above 1).
 
 ``--shared-gate`` adds the selectors it needs (:func:`shared_gate_selectors`); the merge
 modes it judges are those of the run (``topology_sparse_merge`` by default, plus
@@ -111,6 +114,9 @@ def evaluate_shared_gate(
                 iv = grid.interval(ctx, b, shared.selector, "learned")
                 if lost <= 0:
                     parts.append(f"{b}: sharing alone loses nothing ({shared.ppl:.3f} vs learned {learned.ppl:.3f})")
+                    continue
+                if iv.lo <= 1.0:
+                    parts.append(f"{b}: sharing alone loses nothing measurable ({iv.describe_pct()} vs learned)")
                     continue
                 measured = True
                 rec = (shared.ppl - best.ppl) / lost

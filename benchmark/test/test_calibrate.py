@@ -601,7 +601,7 @@ def test_rescan_rechooses_the_scanning_set_from_the_recorded_costs_and_changes_n
         (["--scan", "3", "--windows", "3"], "--rescan: expected only --scan and --out-dir (nothing is measured), "
                                             "got also --windows"),
         ([], "--rescan: expected --scan K"),
-        (["--scan", "31"], "expected at most the model's 30 sparse layers, got 31"),
+        (["--scan", "31"], "--scan: expected at most the model's 30 sparse layers, got 31"),
         (["--scan", "3", "--out-dir", str(given.parent)], "--out-dir: expected a folder other than the one"),
     ):
         assert calibrate_cli.main(["--rescan", str(given), "--out-dir", str(out)] + argv) == 2

@@ -230,3 +230,35 @@ def test_the_shared_gate_judges_a_profiles_scanning_set_with_its_best_merge():
     assert any("(0.33 of the layers scan) + best merge" in n and "+1%" in n for n in third)
     assert not any("by the profile" in c.name for c in evaluate_shared_gate(grid, profile_scan_fraction=0.2))
     assert not any("by the profile" in c.name for c in evaluate_shared_gate(grid))
+
+
+def test_recovery_is_judged_only_where_sharing_alone_measurably_loses():
+    import math
+    from fractions import Fraction
+
+    from benchmark.quality.runner import CellResult, DenseResult, GridResult
+    from benchmark.quality.shared_gate import evaluate_shared_gate
+
+    def cell(name, b, ppls):
+        nll = [torch.full((10,), math.log(p), dtype=torch.float64) for p in ppls]
+        return CellResult(context=100, budget=b, width=int(100 * b), selector=name,
+                          nll_sum=float(sum(x.sum() for x in nll)), tokens=30, window_nll=nll)
+
+    b8, b4 = Fraction(1, 8), Fraction(1, 4)
+    m = "+topology_sparse_merge"
+    dense_nll = [torch.full((10,), math.log(10.0), dtype=torch.float64) for _ in range(3)]
+    cells = [cell("learned", b, [11.0, 11.0, 11.0]) for b in (b8, b4)]
+    # 1/8: one window worse, one better: a point loss inside the noise (not judged, though the
+    # merge recovers none of it); 1/4: every window +2%, the merge recovers a quarter -> FAIL.
+    cells += [cell("learned-shared:2", b8, [11.33, 10.89, 11.0]), cell("learned-shared:2" + m, b8, [11.33, 10.89, 11.0]),
+              cell("learned-shared:2", b4, [11.22, 11.22, 11.22]), cell("learned-shared:2" + m, b4, [11.165] * 3)]
+    grid = GridResult({100: DenseResult(context=100, nll_sum=float(sum(x.sum() for x in dense_nll)), tokens=30,
+                                        window_nll=dense_nll)}, cells, {})
+    rec = {c.name.split(" (ctx")[0]: c for c in evaluate_shared_gate(grid)}[
+        "shared every 2: merge recovers >= 50% of what sharing loses"]
+    assert "1/8: sharing alone loses nothing measurable" in rec.detail and "1/4: shared 11.220" in rec.detail
+    assert rec.passed is False and "recovers 25%" in rec.detail
+    only_noise = GridResult(grid.dense, [c for c in cells if c.budget == b8], {})
+    rec = {c.name.split(" (ctx")[0]: c for c in evaluate_shared_gate(only_noise)}[
+        "shared every 2: merge recovers >= 50% of what sharing loses"]
+    assert rec.passed is True and "loses nothing measurable" in rec.detail
