@@ -515,3 +515,8 @@ def test_the_shared_target_takes_the_fastest_configuration_at_learned_quality():
     assert "no configuration with structure has mean KL <= learned's (0.0100)" in got[8]["detail"]
     text = e2e.format_targets(e2e.targets(rows))
     assert "PASS: a configuration with structure >= 1.25x learned's step at mean KL <= learned's, batch 1" in text
+    # Of any kind: sharing alone is eligible (learned itself is not); batch 8 has nothing as good.
+    anyk = {t["batch"]: t for t in e2e.targets(rows) if t["target"].startswith("a configuration of any kind")}
+    assert anyk[1]["passed"] is True and abs(anyk[1]["value"] - 100 / 60) < 1e-9
+    assert "learned-shared:4 1.667x" in anyk[1]["detail"]
+    assert anyk[8]["passed"] is False and "no configuration of any kind has mean KL" in anyk[8]["detail"]
