@@ -398,7 +398,8 @@ def plot_pareto(rows: List[Row], path: Path) -> Path:
     panels = sorted({(r["context"], r["batch"]) for r in single})
     variants = list(dict.fromkeys(r["variant"] for r in single))
     colours = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.5 * max(1, len(panels)), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.5 * max(1, len(panels)), 4.5 + 0.2 * len(variants)),
+                             squeeze=False)
     for ax, (ctx, batch) in zip(axes[0], panels):
         here = [r for r in single if (r["context"], r["batch"]) == (ctx, batch)]
         for v in variants:
@@ -413,8 +414,10 @@ def plot_pareto(rows: List[Row], path: Path) -> Path:
         ax.set_xlabel("median ms / step")
         ax.set_ylabel("mean KL to dense (log)")
         ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    rows_of_legend = (len(labels) + 1) // 2
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.04 * rows_of_legend, 1, 1))  # the legend below the panels, off the points
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
