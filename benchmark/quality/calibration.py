@@ -47,6 +47,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from benchmark.cli_checks import shown
 from benchmark.quality.index_rows import dense_rows, rows_to_mask
 from benchmark.quality.layer import DEFAULT_QUERY_CHUNK, LayerInputs, masked_softmax
 from benchmark.quality.metrics import attention_recall, measured_rows, output_cos_diff
@@ -503,7 +504,8 @@ def rescan_profile(data: Dict[str, object], layers: Sequence[int], scan: int, co
         for key, value in share[name].items():
             if not re.fullmatch(r"[0-9]{1,6}", str(key)) or isinstance(value, bool) \
                     or not isinstance(value, (int, float)) or value != value:
-                raise ValueError(f"indexer_share.{name}: expected layer index -> number, got {key!r}: {value!r}")
+                raise ValueError(f"indexer_share.{name}: expected layer index -> number, got {shown(key)}: "
+                                 f"{shown(value)}")
             values[int(key)] = float(value)
         per[name] = values
     out = dict(data)
