@@ -151,12 +151,12 @@ def iso_quality(rows: List[Row], reference: int = ISO_REFERENCE) -> List[Row]:
     single = [r for r in rows if r["rows_per_request"] == 1 and r["variant"] != "dense"
               and r.get("mean_kl") is not None]
     out = []
-    groups = sorted({(r.get("indexer_preset") or "", r.get("indexer_heads") or 0, r.get("indexer_dim") or 0,
-                      r["context"], r["batch"]) for r in single})
-    for preset, heads, dim, context, batch in groups:
-        here = [r for r in single if (r.get("indexer_preset") or "", r.get("indexer_heads") or 0,
-                                      r.get("indexer_dim") or 0, r["context"], r["batch"])
-                == (preset, heads, dim, context, batch)]
+    groups: Dict[Tuple[object, ...], List[Row]] = {}
+    for r in single:
+        key = (r.get("indexer_preset") or "", r.get("indexer_heads") or 0, r.get("indexer_dim") or 0,
+               r["context"], r["batch"])
+        groups.setdefault(key, []).append(r)
+    for (preset, _heads, _dim, context, batch), here in sorted(groups.items(), key=lambda kv: kv[0]):
         ref_w = context // reference
         ref = next((r for r in here if r["variant"] == "learned" and r["budget"] == ref_w), None)
         if ref is None:
