@@ -64,7 +64,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="0: one row per request per step; N: N + 1 rows (speculative verification)")
     p.add_argument("--length-spread", type=float, default=1 / 16,
                    help="request b has C - floor(b * C * spread / B) tokens (default 1/16)")
-    p.add_argument("--new-tokens", type=int, default=16, help="decode steps N per variant")
+    p.add_argument("--new-tokens", type=int, default=16,
+                   help="decode steps N per variant; the variants after dense run in a balanced order whose "
+                        "cycle is as many steps as there are of them (twice that for an odd count)")
     p.add_argument("--warmup", type=int, default=2, help="first decode steps left out of the timings")
     p.add_argument("--budget", type=int, nargs="+", default=[1024],
                    help="selected tokens per row W, the same for every variant (default 1024); several values "
@@ -177,6 +179,21 @@ def check_trained_indexer(p: argparse.ArgumentParser, args: argparse.Namespace) 
         p.error(f"--indexer-checkpoint: {err}")
 
 
+def cycle_note(args: argparse.Namespace) -> Optional[str]:
+    """A note when the timed steps are not whole cycles of the balanced variant order
+    (:mod:`benchmark.e2e.paired`): the paired ratios then carry some order bias."""
+    from benchmark.e2e.paired import cycle_length
+
+    cycle = cycle_length(len(args.variants) - 1)
+    timed = args.new_tokens - args.warmup
+    if timed % cycle == 0:
+        return None
+    whole = max(1, round(timed / cycle)) * cycle
+    return (f"note: --new-tokens {args.new_tokens} - --warmup {args.warmup} = {timed} timed steps, not whole cycles "
+            f"of the balanced order of {len(args.variants) - 1} variants ({cycle} steps each); "
+            f"--new-tokens {whole + args.warmup} balances them")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run and print the tables and targets (``--json``: and write them), or ``--merge`` runs."""
     args = parse_args(argv)
@@ -191,6 +208,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(format_merged(merged))
         print(f"wrote {out / 'e2e.md'}, {out / 'e2e.json'} and the plot", file=sys.stderr)
         return 0
+    note = cycle_note(args)
+    if note:
+        print(note, file=sys.stderr)
     result = run(args)
     shape = result["indexer"]
     print(f"{'indexer' if shape['preset'] == 'trained' else 'untrained proxy indexer'}: {shape['preset']} ({shape['heads']} heads x {shape['dim']} dims, "

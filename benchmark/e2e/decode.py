@@ -27,6 +27,7 @@ from benchmark.e2e.clock import phase_clock
 from benchmark.e2e.indexers import IndexerShape, ProxyIndexer, TrainedIndexerInputs, make_indexer, share_plan
 from benchmark.e2e.layout import LayerPools, Layout, VariantState, slots_of
 from benchmark.e2e.memory import measure_step_memory, tensor_bytes
+from benchmark.e2e.paired import balanced_orders
 from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY, step_totals
 from rtp_llm.models_py.modules.hybrid.indexer import TopologyStepCounters
 from rtp_llm.models_py.modules.hybrid.indexer_params import (
@@ -267,16 +268,21 @@ def _host_sum(counts: List[torch.Tensor]) -> int:
 
 def step_order(names: Sequence[str], step: int) -> List[str]:
     """The variants' order in step ``step``: dense first (the others compare with its
-    distribution), the rest rotated by one place per step, so that no variant always runs
-    right after the same one (a fixed order biases the paired step times by position)."""
+    distribution), the rest in row ``step`` (cyclically) of the balanced design of
+    :func:`benchmark.e2e.paired.balanced_orders`, so that over a whole cycle each variant
+    runs in every position and right after every other variant equally often."""
     rest = list(names[1:])
-    k = step % len(rest) if rest else 0
-    return [names[0]] + rest[k:] + rest[:k]
+    if not rest:
+        return [names[0]]
+    rows = balanced_orders(len(rest))
+    return [names[0]] + [rest[j] for j in rows[step % len(rows)]]
 
 
-def decode_batch(model, run: BatchRun, steps: int, on_step=None, measure_memory_step: Optional[int] = 0):
+def decode_batch(model, run: BatchRun, steps: int, on_step=None, measure_memory_step: Optional[int] = 0,
+                 first_timed: int = 0):
     """Decode every variant ``steps`` steps, interleaved: dense first in each step, the rest in
-    :func:`step_order` (rotated per step).
+    :func:`step_order`, whose cycles start at step ``first_timed`` (the first step the
+    timings keep), so that whole cycles of timed steps are balanced.
 
     One row per request (``continuation`` None): every variant is fed dense's greedy
     token (teacher forcing), so its next-token distribution compares with dense's on the
@@ -299,7 +305,7 @@ def decode_batch(model, run: BatchRun, steps: int, on_step=None, measure_memory_
             start = torch.tensor(run.states["dense"].lens, device=dev).unsqueeze(1)
             tokens = text[start + torch.arange(T, device=dev).unsqueeze(0)]  # [B, T] the continuation
         dense_logp = None
-        for name in step_order(names, i):
+        for name in step_order(names, i - first_timed):
             st = run.states[name]
             logp, step = decode_step(model, run, st, tokens, measure_memory=(i == measure_memory_step))
             flat = logp.reshape(B * T, -1)

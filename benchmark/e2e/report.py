@@ -10,12 +10,12 @@ tables of runs with different presets or ``--next-n`` concatenate unambiguously.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from benchmark.e2e.attention import PARTS
 from benchmark.e2e.indexers import VARIANTS, has_structure
+from benchmark.e2e.paired import mean_difference_interval, paired_step_ratio
 
 # The end-to-end targets, printed PASS / FAIL / NOT RUN and never asserted (a shared 2-core
 # machine's timings are a measurement, not a test).
@@ -55,8 +55,10 @@ def targets(rows: List[Row]) -> List[Row]:
 
     Each merge mode (:data:`MERGE_VARIANTS`) is compared with ``learned`` of the same
     indexer, budget, context and batch (so merged runs of several presets pair up right),
-    by :func:`step_ratio` (the median of the per-step paired ratios), and its ``policy``
-    column with its own step at context 8192, batch 1.
+    by :func:`step_ratio` (the median of the per-step paired ratios; ``interval``: its
+    sign-test interval, :func:`benchmark.e2e.paired.median_interval`), and its ``policy``
+    column with its own step at context 8192, batch 1. The verdict is the point's; the
+    printed line says when the interval holds the bound (this run does not settle it).
     """
     single = [r for r in rows if r["rows_per_request"] == 1]
     out = []
@@ -76,8 +78,11 @@ def targets(rows: List[Row]) -> List[Row]:
                 if r["variant"] != variant or r["batch"] != batch or base is None:
                     continue
                 ratio = step_ratio(r, base)
-                out.append(_target(name, r["context"], batch, r.get("indexer_preset"), ratio,
-                                   ratio <= COMPRESS_MAX_RATIO))
+                item = _target(name, r["context"], batch, r.get("indexer_preset"), ratio, ratio <= COMPRESS_MAX_RATIO)
+                interval = paired_step_ratio(r.get("step_ms"), base.get("step_ms"))
+                if interval is not None:
+                    item["interval"] = interval.to_json()
+                out.append(item)
                 found = True
             if not found:
                 out.append(_target(name, TARGET_CONTEXT, batch, None, None, None))
@@ -104,7 +109,10 @@ def fastest_at_learned_quality(single: List[Row], learned: Dict[Tuple[object, ..
     ``learned`` itself, e.g. shared scans alone) whose mean KL to dense is at most
     ``learned``'s (same indexer, budget, context 8192 and batch): PASS at >= 1.25x
     ``learned``'s step (``1 / step_ratio``); ``detail`` names it, or says that none is as
-    good as ``learned``. ``topology_only_noscan`` is left out (it drops the indexer)."""
+    good as ``learned``. ``topology_only_noscan`` is left out (it drops the indexer). Where
+    the rows carry per-step times and KLs, ``interval`` is the speed's (the inverted
+    sign-test interval of the step ratio) and ``kl_difference`` the paired KL difference
+    with its bootstrap interval (:mod:`benchmark.e2e.paired`); the verdict is the points'."""
     kind = "with structure" if with_structure else "of any kind"
     name = (f"a configuration {kind} >= {SHARED_MIN_SPEEDUP}x learned's step at mean KL <= learned's, "
             f"batch {batch}")
@@ -131,6 +139,15 @@ def fastest_at_learned_quality(single: List[Row], learned: Dict[Tuple[object, ..
     item = _target(name, TARGET_CONTEXT, batch, r.get("indexer_preset"), speed, speed >= SHARED_MIN_SPEEDUP)
     item["detail"] = (f"{r['variant']} {speed:.3f}x learned's step (paired), mean KL {r['mean_kl']:.4f} vs "
                       f"learned's {base['mean_kl']:.4f}")
+    ratio = paired_step_ratio(r.get("step_ms"), base.get("step_ms"))
+    if ratio is not None:
+        item["interval"] = {"point": speed, "lo": 1.0 / ratio.hi, "hi": 1.0 / ratio.lo, "coverage": ratio.coverage,
+                            "n": ratio.n}
+        item["detail"] += f"; speed interval [{1.0 / ratio.hi:.3f}, {1.0 / ratio.lo:.3f}]"
+    kl = mean_difference_interval(r.get("step_kl"), base.get("step_kl"))
+    if kl is not None:
+        item["kl_difference"] = kl.to_json()
+        item["detail"] += f"; KL difference {kl.describe()}"
     return item
 
 
@@ -201,9 +218,9 @@ def step_ratio(row: Row, base: Row) -> float:
     the median over steps of the paired ratio ``row_i / base_i`` (step ``i`` of both ran in
     the same round, so a slow patch of the machine divides out), or, for rows without
     per-step times (older JSON), the ratio of the medians."""
-    a, b = row.get("step_ms"), base.get("step_ms")
-    if a and b and len(a) == len(b):
-        return statistics.median(x / y for x, y in zip(a, b))
+    paired = paired_step_ratio(row.get("step_ms"), base.get("step_ms"))
+    if paired is not None:
+        return paired.point
     return row["step_ms_median"] / base["step_ms_median"]
 
 
@@ -217,6 +234,13 @@ def format_targets(items: List[Row]) -> str:
             value = t["detail"]
         elif t["passed"] is not None and "within" in t["target"]:
             value = f"step time ratio {t['value']:.3f}"
+            iv = t.get("interval")
+            if iv:
+                value += (f" [{iv['lo']:.3f}, {iv['hi']:.3f}] ({iv['coverage']:.0%} sign-test interval over "
+                          f"{iv['n']} steps")
+                bound = COMPRESS_MAX_RATIO
+                value += ("; it holds the bound, not settled by this run)" if iv["lo"] <= bound <= iv["hi"]
+                          else ")")
         elif t["passed"] is not None and " policy <= " in t["target"]:
             value = f"policy {t['value']:.1%} of the step"
         where = f"context {t['context']}" + (f", indexer {t['indexer_preset']}" if t.get("indexer_preset") else "")

@@ -82,6 +82,7 @@ def summarize(variant: str, run: BatchRun, rec: Dict[str, list], Hkv: int, D: in
         "kv_bytes_per_step": statistics.median(kv_bytes_per_step(s, Hkv, D, run.shape.dim) for s in steps),
         "top1_agreement": sum(top1) / len(top1),
         "mean_kl": sum(kls) / len(kls),
+        "step_kl": [sum(step) / len(step) for step in rec["kl"]],  # per step (every step), for paired intervals
         "first_divergence": first_div,
         "matches_dense": all(top1),
         "step_peak_bytes": step_peak,
@@ -139,7 +140,7 @@ def run_one(model, text: Sequence[int], context_lens: Sequence[int], variants: S
     if log:
         log(f"[e2e] context {max(context_lens)} batch {len(context_lens)} rows/request {next_n + 1}: "
             f"dense prefill {run.prefill_s:.1f} s")
-    decoded = decode_batch(model, run, steps, on_step, measure_memory_step=0)
+    decoded = decode_batch(model, run, steps, on_step, measure_memory_step=0, first_timed=warmup)
     rows = [summarize(v, run, decoded[v], Hkv, D, warmup, run.states[v].own_bytes(run.pools)) for v in variants]
     dense = rows[0]
     for row in rows:

@@ -417,16 +417,17 @@ def test_the_environment_names_the_device(monkeypatch):
     assert (gpu["device_type"], gpu["cuda_device"]) == ("cuda", "NVIDIA H200")
 
 
-def test_the_step_order_rotates_all_but_dense():
+def test_the_step_order_is_a_balanced_design_after_dense():
     from benchmark.e2e.decode import step_order
 
-    names = ["dense", "a", "b", "c"]
+    names = ["dense", "a", "b", "c", "d"]
     orders = [step_order(names, i) for i in range(4)]
-    assert orders == [["dense", "a", "b", "c"], ["dense", "b", "c", "a"], ["dense", "c", "a", "b"],
-                      ["dense", "a", "b", "c"]]
-    # Over a full rotation every variant runs once right after dense, and never twice after the same one.
-    assert sorted(o[1] for o in orders[:3]) == ["a", "b", "c"]
+    # Williams rows 0,1,3,2 shifted by one per step (hand-computed)
+    assert orders == [["dense", "a", "b", "d", "c"], ["dense", "b", "c", "a", "d"],
+                      ["dense", "c", "d", "b", "a"], ["dense", "d", "a", "c", "b"]]
+    assert step_order(names, 4) == orders[0] and step_order(names, -1) == orders[3]
     assert step_order(["dense"], 5) == ["dense"]
+    assert step_order(["dense", "a"], 3) == ["dense", "a"]
 
 
 SHARED = ["learned-shared:2", "learned-shared:2+topology_sparse_merge", "learned-shared:1"]

@@ -257,3 +257,48 @@ def test_iso_quality_is_the_smallest_budget_as_good_as_learned_at_an_eighth_of_t
     assert report.format_iso_quality([]) == "" and report.iso_quality([r for r in rows if r["budget"] != 1024]) == []
     merged = report.merge_runs([("a", payload(rows))])
     assert merged["iso_quality"] == report.iso_quality(rows) and "Iso-quality budgets" in report.format_merged(merged)
+
+
+def test_the_step_target_prints_its_interval_and_whether_it_settles_the_bound():
+    """Ten paired steps: the sign-test interval is [r_(2), r_(9)] (97.9 %); one that holds
+    1.03 says the run does not settle the target, one wholly above it says nothing more."""
+    base, merged = row("learned", 8192, 1, 100.0), row("learned+topology_sparse_merge", 8192, 1, 104.0)
+    base["step_ms"] = [100.0] * 10
+    merged["step_ms"] = [101.0, 102.0, 103.0, 104.0, 104.0, 104.0, 105.0, 106.0, 107.0, 120.0]
+    t = next(t for t in report.targets([base, merged]) if t["target"].startswith("learned+topology_sparse_merge within")
+             and t["batch"] == 1)
+    assert t["value"] == pytest.approx(1.04) and not t["passed"]
+    assert (t["interval"]["lo"], t["interval"]["hi"]) == pytest.approx((1.02, 1.07))
+    line = next(x for x in report.format_targets([t]).splitlines())
+    assert line.endswith("step time ratio 1.040 [1.020, 1.070] (98% sign-test interval over 10 steps; "
+                         "it holds the bound, not settled by this run)")
+    merged["step_ms"] = [x + 10.0 for x in merged["step_ms"]]  # every ratio above 1.1
+    t = next(t for t in report.targets([base, merged]) if t["target"].startswith("learned+topology_sparse_merge within")
+             and t["batch"] == 1)
+    assert report.format_targets([t]).endswith("step time ratio 1.140 [1.120, 1.170] (98% sign-test interval over "
+                                               "10 steps)")
+
+
+def test_the_quality_target_prints_the_speed_interval_and_the_kl_difference():
+    base = {**row("learned", 8192, 1, 100.0), "mean_kl": 0.05, "step_ms": [100.0] * 6,
+            "step_kl": [0.05, 0.04, 0.06, 0.05, 0.05, 0.05]}
+    shared = {**row("learned-shared:2+topology_sparse_merge", 8192, 1, 80.0), "mean_kl": 0.045,
+              "step_ms": [78.0, 79.0, 80.0, 80.0, 81.0, 82.0], "step_kl": [0.045, 0.035, 0.055, 0.045, 0.045, 0.045]}
+    t = next(t for t in report.targets([base, shared]) if t["target"].startswith("a configuration with structure")
+             and t["batch"] == 1)
+    assert t["passed"] and t["value"] == pytest.approx(1.25)
+    # six steps: [min, max] of the ratios (0.78 .. 0.82), inverted
+    assert (t["interval"]["lo"], t["interval"]["hi"]) == pytest.approx((1 / 0.82, 1 / 0.78))
+    assert t["kl_difference"]["point"] == pytest.approx(-0.005) and t["kl_difference"]["hi"] == pytest.approx(-0.005)
+    assert t["detail"].endswith(f"speed interval [{1 / 0.82:.3f}, {1 / 0.78:.3f}]; KL difference -0.0050 "
+                                "[-0.0050, -0.0050]")
+
+
+def test_a_note_when_the_timed_steps_are_not_whole_cycles():
+    three = e2e.parse_args(["--variants", "learned", "learned+topology_sparse_merge", "learned+topology_compress_sparse",
+                            "--new-tokens", "12", "--warmup", "2"])
+    assert e2e.cycle_note(three) == ("note: --new-tokens 12 - --warmup 2 = 10 timed steps, not whole cycles of the "
+                                     "balanced order of 3 variants (6 steps each); --new-tokens 14 balances them")
+    three.new_tokens = 14
+    assert e2e.cycle_note(three) is None
+    assert e2e.cycle_note(e2e.parse_args(["--variants", "learned", "--new-tokens", "5", "--warmup", "1"])) is None
