@@ -13,6 +13,7 @@ Modules, one concern each (imports run downwards):
     indexers   the proxy indexer and its presets (dsa-ratio, model); the variants' ``Indexer``
     memory     a step's transient peak memory (host, or the CUDA allocator's)
     attention  the registered attention hook and its per-forward ``StepPlan``
+    paired     the balanced variant order per step; intervals of the paired step ratio and KL difference
     report     the targets, markdown tables, the step-vs-batch plot, merged runs
     decode     prefill, the batch's layout for every variant, interleaved decode steps
     runner     one run over (context, batch): summary rows with every measured field

@@ -109,7 +109,8 @@ def fastest_at_learned_quality(single: List[Row], learned: Dict[Tuple[object, ..
     ``learned`` itself, e.g. shared scans alone) whose mean KL to dense is at most
     ``learned``'s (same indexer, budget, context 8192 and batch): PASS at >= 1.25x
     ``learned``'s step (``1 / step_ratio``); ``detail`` names it, or says that none is as
-    good as ``learned``. ``topology_only_noscan`` is left out (it drops the indexer). Where
+    good as ``learned``. ``dense`` (no sparse attention: not a configuration at ``learned``'s
+    budget) and ``topology_only_noscan`` (it drops the indexer) are left out. Where
     the rows carry per-step times and KLs, ``interval`` is the speed's (the inverted
     sign-test interval of the step ratio) and ``kl_difference`` the paired KL difference
     with its bootstrap interval (:mod:`benchmark.e2e.paired`); the verdict is the points'."""
@@ -120,7 +121,7 @@ def fastest_at_learned_quality(single: List[Row], learned: Dict[Tuple[object, ..
     for r in single:
         base = learned.get(run_key(r) + (r["context"], batch))
         if (r["context"] != TARGET_CONTEXT or r["batch"] != batch or base is None
-                or r["variant"] in ("learned", "topology_only_noscan")
+                or r["variant"] in ("dense", "learned", "topology_only_noscan")
                 or (with_structure and not has_structure(r["variant"]))
                 or r.get("mean_kl") is None or base.get("mean_kl") is None):
             continue

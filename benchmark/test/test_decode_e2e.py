@@ -505,10 +505,12 @@ def test_the_shared_target_takes_the_fastest_configuration_at_learned_quality():
         return {"variant": variant, "batch": batch, "context": 8192, "rows_per_request": 1,
                 "step_ms_median": ms, "step_ms": [ms, ms], "speedup_vs_dense": 1.0, "mean_kl": kl}
 
-    rows = [row("learned", 1, 100.0, 0.05), row("learned-shared:4", 1, 60.0, 0.04),  # no structure: not eligible
+    rows = [row("dense", 1, 120.0, 0.0),  # never eligible: no sparse attention at learned's budget
+            row("learned", 1, 100.0, 0.05), row("learned-shared:4", 1, 60.0, 0.04),  # no structure: not eligible
             row("learned-shared:2+topology_sparse_merge", 1, 78.0, 0.05),
             row("learned-shared:4+topology_sparse_merge", 1, 70.0, 0.06),  # faster, but worse KL
-            row("learned", 8, 100.0, 0.01), row("learned+topology_sparse_merge", 8, 101.0, 0.02)]
+            row("dense", 8, 90.0, 0.0), row("learned", 8, 100.0, 0.01),
+            row("learned+topology_sparse_merge", 8, 101.0, 0.02)]
     got = {t["batch"]: t for t in e2e.targets(rows) if t["target"].startswith("a configuration with structure")}
     assert got[1]["passed"] is True and abs(got[1]["value"] - 100 / 78) < 1e-9
     assert "learned-shared:2+topology_sparse_merge 1.282x" in got[1]["detail"]
