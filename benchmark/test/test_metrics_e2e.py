@@ -89,8 +89,9 @@ def test_the_scrape_equals_the_step_counters_totals(decoded):
     assert _sum(scraped, "py_rtp_topology_kv_policy_skips_total", reason="disabled", mode="disabled") == skips
     # The learned variant: every layer of every step skipped, none fell back.
     assert skips == STEPS * NUM_LAYERS
-    # Gauges: the last step of the compress variant (the last one decoded), per layer.
-    last = steps[-1]
+    # Gauges (per mode tag): the compress variant's last decoded step, per layer; the
+    # balanced order decides which variant runs last, so find its step.
+    last = next(s for s in reversed(steps) if all(c is not None for c in s.by_layer.values()))
     for layer, counters in last.by_layer.items():
         tags = dict(layer=layer, mode="topology_compress_sparse", path="decode")
         assert _sum(scraped, "py_rtp_topology_kv_kv_tokens_read", **tags) == int(counters.selected_tokens)
