@@ -29,6 +29,7 @@ from benchmark.e2e.layout import LayerPools, Layout, VariantState, slots_of
 from benchmark.e2e.memory import measure_step_memory, tensor_bytes
 from benchmark.e2e.paired import balanced_orders
 from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY, step_totals
+from benchmark.quality.model import full_attention_layers
 from rtp_llm.models_py.modules.hybrid.indexer import TopologyStepCounters
 from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerAttentionInputs,
@@ -47,12 +48,9 @@ def attention_layers(model) -> List[int]:
 
 def sparse_layers(model) -> List[int]:
     """The layers whose decode attention is sparse: every layer, or the full-attention ones
-    of a model with sliding-window layers (``config.layer_types``; those stay dense)."""
-    types = getattr(model.config, "layer_types", None)
-    layers = attention_layers(model)
-    if not types:
-        return layers
-    return [i for i in layers if types[i] == "full_attention"]
+    of a model with sliding-window layers (``config.layer_types``; those stay dense in
+    their window, with no indexer)."""
+    return list(full_attention_layers(model.config))
 
 
 def kv_geometry(model):
@@ -110,6 +108,8 @@ class BatchRun:
     width: int
     prefill_s: float
     shared_bytes: int
+    sparse: Tuple[int, ...]  # the layers with an indexer; the others are sliding-window layers
+    window: Optional[int]  # those layers' window (tokens), None when every layer is sparse
 
 
 @torch.no_grad()
@@ -145,15 +145,18 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
     sparse = sparse_layers(model)
     plans = {name: share_plan(name, sparse) for name in variants}
     for layer in attention_layers(model):
-        if trained is not None:
+        dense_only = layer not in sparse  # a sliding-window layer: no indexer, no indexer keys
+        if dense_only:
+            proxy, index_keys = None, None
+        elif trained is not None:
             proxy = TrainedIndexerInputs(trained[layer])
             index_keys = proxy.prefill_keys(X[layer], torch.arange(C, device=dev))  # [C, Di]
         else:
             proxy = ProxyIndexer(shape, H, Hkv, D, K[layer] if shape.dim < Hkv * D else None)
             index_keys = proxy.keys(K[layer])  # [C, Di]
+        index_cache = None if dense_only else IndexerKeyCache(torch.zeros(layout.num_blocks, pg, shape.dim, device=dev))
         pool = LayerPools(torch.zeros(layout.num_blocks, pg, Hkv, D, device=dev),
-                          torch.zeros(layout.num_blocks, pg, Hkv, D, device=dev),
-                          IndexerKeyCache(torch.zeros(layout.num_blocks, pg, shape.dim, device=dev)), proxy, layout)
+                          torch.zeros(layout.num_blocks, pg, Hkv, D, device=dev), index_cache, proxy, layout)
         table0 = states[variants[0]].block_table  # the shared blocks are the same in every table
         shared_slots = slots_of(table0, req[in_shared], pos[in_shared], pg)
         pool.flat(pool.k)[shared_slots] = K[layer][pos[in_shared]]
@@ -164,11 +167,13 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
             slots = slots_of(st.block_table, own_req, own_pos, pg)
             pool.flat(pool.k)[slots] = K[layer][own_pos]
             pool.flat(pool.v)[slots] = V[layer][own_pos]
-            share = plans[name] if layer in sparse else None
-            indexer = make_indexer(name, shape, width, layer, dev,
-                                   projections=None if trained is None else trained[layer], share=share)
-            st.indexers[layer] = indexer
+            st.indexers[layer] = None
             st.trackers[layer] = None
+            if dense_only:
+                continue
+            indexer = make_indexer(name, shape, width, layer, dev,
+                                   projections=None if trained is None else trained[layer], share=plans[name])
+            st.indexers[layer] = indexer
             if indexer is None:
                 continue
             if indexer.shares_rows_of is not None:  # no indexer keys: its drift reads the attention keys
@@ -188,11 +193,12 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
                 indexer.write_keys(index_keys[own_pos], pool.index_cache, slots)
                 st.trackers[layer] = base.clone()
         pools[layer] = pool
-    shared_bytes = sum(p.shared(t).numel() * t.element_size() for p in pools.values()
-                       for t in (p.k, p.v, p.index_cache.k_cache))
+    shared_bytes = sum(p.shared(t).numel() * t.element_size() for p in pools.values() for t in p.caches())
     shared_bytes += tensor_bytes(model.parameters())
     cont = list(text[C:]) if next_n > 0 else None
-    return BatchRun(layout, pools, states, first, cont, list(text), shape, width, prefill_s, shared_bytes)
+    window = getattr(model.config, "sliding_window", None) if len(sparse) < len(attention_layers(model)) else None
+    return BatchRun(layout, pools, states, first, cont, list(text), shape, width, prefill_s, shared_bytes,
+                    tuple(sparse), window)
 
 
 def step_inputs(run: BatchRun, st: VariantState, tokens: torch.Tensor) -> Tuple[StepPlan, torch.Tensor, torch.Tensor]:
@@ -249,11 +255,14 @@ def decode_step(model, run: BatchRun, st: VariantState, tokens: torch.Tensor, me
     st.lens = [n + tokens.shape[1] for n in st.lens]
     kv_after = sum(st.lens)
     n_scan = sum(1 for i in st.indexers.values() if i is not None and i.scan and i.shares_rows_of is None)
-    n_dense = sum(1 for i in st.indexers.values() if i is None)
+    n_dense = sum(1 for layer in run.sparse if st.indexers[layer] is None)
+    n_window = len(st.indexers) - len(run.sparse)
+    window_read = 0 if n_window == 0 else sum(min(n, run.window) for n in st.lens) * n_window
     step = {"total_s": total, **{f"{p}_s": timers[p] for p in PARTS},
             "attended_tokens": _host_sum(plan.attended),  # over rows and layers
             "sparse_attended_tokens": _host_sum(plan.sparse_attended),
-            "dense_read_tokens": kv_after * n_dense,  # dense reads each request's KV once for its rows
+            # dense reads each request's KV once for its rows; a sliding-window layer its window
+            "dense_read_tokens": kv_after * n_dense + window_read,
             "scanned_keys": kv_after * n_scan,  # the indexer reads each request's keys once
             "step_peak_bytes": mem}
     # After the step, as serving reads it: one host read, reported too when metrics are on.

@@ -23,7 +23,7 @@ what its own prefill would give).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
@@ -117,13 +117,18 @@ def rows_to_slots(rows: torch.Tensor, table: torch.Tensor, row_to_request: torch
 
 @dataclasses.dataclass
 class LayerPools:
-    """One layer's pools (every variant's blocks) and its proxy indexer."""
+    """One layer's pools (every variant's blocks) and its indexer's inputs; a layer whose
+    decode stays dense (a sliding-window layer) has no indexer keys and no indexer."""
 
     k: torch.Tensor  # [NB, page, Hkv, D] fp32
     v: torch.Tensor
-    index_cache: IndexerKeyCache  # k_cache [NB, page, Di] fp32 (fp8-representable values)
-    proxy: ProxyIndexer
+    index_cache: Optional[IndexerKeyCache]  # k_cache [NB, page, Di] fp32 (fp8-representable values)
+    proxy: Optional[ProxyIndexer]
     layout: Layout
+
+    def caches(self) -> Tuple[torch.Tensor, ...]:
+        """The paged tensors this layer holds: K, V and, on a sparse layer, the indexer keys."""
+        return (self.k, self.v) if self.index_cache is None else (self.k, self.v, self.index_cache.k_cache)
 
     def flat(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, *t.shape[2:])
@@ -153,7 +158,7 @@ class VariantState:
         """Bytes this variant owns: its private K/V/indexer-key blocks and drift trackers."""
         total = 0
         for layer, p in pools.items():
-            for t in (p.k, p.v, p.index_cache.k_cache):
+            for t in p.caches():
                 total += p.tail(t, self.index).numel() * t.element_size()
             tr = self.trackers.get(layer)
             if tr is not None:

@@ -105,15 +105,21 @@ def load_model(model_path: Optional[str], num_layers: Optional[int], device: tor
     model moved to ``device``."""
     from benchmark.quality.model import load_gguf_model
 
+    loaded = load_gguf_model(model_path, num_layers=num_layers)
+    loaded.model.to(device)
+    use_decode_attention(loaded.model)
+    return loaded
+
+
+def use_decode_attention(model) -> None:
+    """Switch a transformers model to this module's attention (prefill and decode steps),
+    with its attention inputs captured for the trained indexer."""
     from benchmark.e2e.attention import PLAN_KWARG
     from benchmark.quality.sparse_attention import install_hidden_capture
 
-    loaded = load_gguf_model(model_path, num_layers=num_layers)
-    loaded.model.to(device)
     register()
-    loaded.model.set_attn_implementation(ATTENTION_NAME)
-    install_hidden_capture(loaded.model, PLAN_KWARG)  # the trained indexer reads the attention's input
-    return loaded
+    model.set_attn_implementation(ATTENTION_NAME)
+    install_hidden_capture(model, PLAN_KWARG)  # the trained indexer reads the attention's input
 
 
 def prompt_tokens(loaded, novel: str, context: int, data_dir) -> List[int]:
@@ -208,6 +214,7 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
 def load_trained(args: argparse.Namespace, loaded, H: int, D: int, device: torch.device):
     """``(layer -> projections on device, checkpoint path, IndexerShape)``: ``--indexer-checkpoint``
     or the shipped one."""
+    from benchmark.e2e.decode import sparse_layers
     from benchmark.e2e.indexers import trained_indexer_shape
     from benchmark.indexer.checkpoints import load_trained_indexer, resolve_checkpoint
     from benchmark.quality.paths import user_path
@@ -221,7 +228,7 @@ def load_trained(args: argparse.Namespace, loaded, H: int, D: int, device: torch
         trained, info = load_trained_indexer(path, loaded.gguf_sha256)
     except ValueError as exc:
         raise SystemExit(f"error: --indexer-checkpoint: {exc}") from None
-    missing = [i for i in range(loaded.model.config.num_hidden_layers) if i not in trained]
+    missing = [i for i in sparse_layers(loaded.model) if i not in trained]  # sliding-window layers need none
     if missing:
         raise SystemExit(f"error: --indexer-checkpoint {path}: no indexer for layers {missing}")
     for projections in trained.values():

@@ -341,7 +341,7 @@ def test_step_inputs_follow_the_layout_device(shape):
     are made there (nothing is made on the CPU regardless of the run's device)."""
     layout = e2e.Layout([200, 130], variants=1, rows_per_step=2, steps=3, device="meta")
     st = VariantState("dense", 0, layout.block_table(0), {0: None}, {0: None}, [200, 130])
-    run = BatchRun(layout, {}, {"dense": st}, [0, 0], None, [], shape, 64, 0.0, 0)
+    run = BatchRun(layout, {}, {"dense": st}, [0, 0], None, [], shape, 64, 0.0, 0, (), None)
     plan, ids, positions = e2e.step_inputs(run, st, torch.zeros(2, 2, dtype=torch.int64, device="meta"))
     made = {"block_table": st.block_table, "slots": plan.slots, "positions": positions,
             "request_ids": plan.request_ids, "row_lengths": plan.row_lengths, "shared_lens": plan.shared_lens,
@@ -523,3 +523,70 @@ def test_the_shared_target_takes_the_fastest_configuration_at_learned_quality():
     assert anyk[1]["passed"] is True and abs(anyk[1]["value"] - 100 / 60) < 1e-9
     assert "learned-shared:4 1.667x" in anyk[1]["detail"]
     assert anyk[8]["passed"] is False and "no configuration of any kind has mean KL" in anyk[8]["detail"]
+
+
+# ----------------------------------------------------------------------------- sliding-window layers
+
+WINDOW = 32  # < CONTEXT, so a sliding-window layer reads less than the whole row
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3():
+    """A random Gemma-3 text model: sliding-window layers 0 and 2, full-attention 1 and 3."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=WINDOW,
+                           layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    runner.use_decode_attention(model)
+    return model
+
+
+@pytest.mark.parametrize("indexer", ["proxy", "trained"])
+def test_sliding_window_layers_stay_dense_and_need_no_indexer(tiny_gemma3, indexer):
+    """Only the full-attention layers get an indexer (a trained checkpoint covers only
+    them), indexer keys and scans; the sliding-window layers attend densely over their
+    window, and their KV read is the window. A budget covering every row equals dense;
+    a small one selects at most W on the full-attention layers."""
+    from benchmark.e2e.decode import sparse_layers
+    from benchmark.e2e.indexers import trained_indexer_shape
+    from rtp_llm.models_py.modules.hybrid.indexer_projections import IndexerProjections, IndexerProjectionShape
+
+    model = tiny_gemma3
+    assert sparse_layers(model) == [1, 3]
+    H, Hkv, D = e2e.kv_geometry(model)
+    trained = None
+    if indexer == "trained":
+        torch.manual_seed(1)
+        pshape = IndexerProjectionShape(heads=1, head_dim=16, rope_dim=8, hidden_size=32, q_input_size=32)
+        trained = {layer: IndexerProjections(pshape).eval() for layer in (1, 3)}
+        shape = trained_indexer_shape(1, 16, H, D)
+    else:
+        shape = e2e.resolve_indexer_shape("dsa-ratio", None, None, H, Hkv, D)
+    text = torch.randint(0, 512, (CONTEXT + 8,), generator=torch.Generator().manual_seed(2)).tolist()
+    lens = [CONTEXT, CONTEXT - 40]
+    variants = ["dense", "learned", "learned+topology_sparse_merge"]
+    for width, exact in ((CONTEXT + 8, True), (64, False)):
+        run = e2e.build_batch(model, text, lens, variants, 2, 0, width, shape, None, trained)
+        for layer in (0, 2):
+            assert run.pools[layer].index_cache is None and run.pools[layer].proxy is None
+            assert all(st.indexers[layer] is None for st in run.states.values())
+        for layer in (1, 3):
+            assert run.pools[layer].index_cache is not None
+            assert run.states["learned"].indexers[layer] is not None
+        assert run.sparse == (1, 3) and run.window == WINDOW
+        out = e2e.decode_batch(model, run, 2)
+        for name in variants[1:]:
+            for i, step in enumerate(out[name]["steps"]):
+                after = [n + i + 1 for n in lens]
+                assert step["scanned_keys"] == 2 * sum(after), (name, i)
+                assert step["dense_read_tokens"] == 2 * sum(min(n, WINDOW) for n in after), (name, i)
+                # sparse rows: one per request and full-attention layer, each at most W tokens
+                assert step["sparse_attended_tokens"] <= 2 * len(lens) * width
+            if exact:
+                assert out[name]["argmax"] == out["dense"]["argmax"], name
+                assert max(max(k) for k in out[name]["kl"]) < 1e-5, name
+        dense_step = out["dense"]["steps"][0]
+        assert dense_step["dense_read_tokens"] == 2 * sum(n + 1 for n in lens) + 2 * sum(min(n + 1, WINDOW) for n in lens)
