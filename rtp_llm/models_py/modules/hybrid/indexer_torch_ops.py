@@ -39,6 +39,10 @@ FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_GROUP_SIZE = 128  # the engine quantizes q and k per token in groups of 128 channels
 # Elements of the per-chunk [chunk, H, L] logits buffer: 2**24 fp32 = 64 MiB.
 _LOGITS_ELEMENT_BUDGET = 1 << 24
+# Elements of the paged op's per-chunk [chunk, L, D] gathered keys: 2**21 fp32 = 8 MiB
+# (the chunk is read back by the matmul right after the gather; a larger one costs up to
+# 3x per call on CPU: docs/results.md, "The indexer op's key gather").
+_GATHER_ELEMENT_BUDGET = 1 << 21
 
 
 def fp8_e4m3_round_trip(x: torch.Tensor, group_size: int = FP8_GROUP_SIZE) -> torch.Tensor:
@@ -68,7 +72,10 @@ def fp8_e4m3_round_trip(x: torch.Tensor, group_size: int = FP8_GROUP_SIZE) -> to
 
 def _row_chunk(rows: int, heads: int, length: int, dim: int = 0) -> int:
     per_row = heads * max(length, 1) + max(length, 1) * dim
-    return max(1, min(rows, _LOGITS_ELEMENT_BUDGET // per_row))
+    step = _LOGITS_ELEMENT_BUDGET // per_row
+    if dim:
+        step = min(step, _GATHER_ELEMENT_BUDGET // (max(length, 1) * dim))
+    return max(1, min(rows, step))
 
 
 def topk_from_window_scores(
@@ -208,17 +215,20 @@ def paged_indexer_topk(
     int32 ``[R, W]`` request-local positions (offset 0), ``-1`` padding.
     """
     R, H, D = q.shape
+    num_blocks, page, _ = k_cache.shape
+    Lmax = block_table.shape[1] * page
     w = weights.reshape(R, H).to(torch.float32)
     qf = fp8_e4m3_round_trip(q) if fp8_emulation else q.to(torch.float32)
-    req_keys = paged_request_keys(k_cache, block_table)  # [B, Lmax, D]
-    req_keys = fp8_e4m3_round_trip(req_keys) if fp8_emulation else req_keys.to(torch.float32)
-    Lmax = req_keys.shape[1]
-    r2r = row_to_request.to(torch.int64)
+    # Each row's blocks (its request's row of the table; negative entries read block 0):
+    # the keys are gathered block by block, once per row chunk, straight from the pool.
+    row_blocks = block_table.to(torch.int64).clamp(min=0).index_select(0, row_to_request.to(torch.int64))
     out = torch.empty(R, width, dtype=torch.int32, device=q.device)
     step = _row_chunk(R, H, Lmax, D)
     for start in range(0, R, step):
         rows = slice(start, min(start + step, R))
-        k_rows = req_keys.index_select(0, r2r[rows])  # [c, Lmax, D]
+        c = rows.stop - start
+        k_rows = k_cache.index_select(0, row_blocks[rows].reshape(-1)).view(c, Lmax, D)  # [c, Lmax, D]
+        k_rows = fp8_e4m3_round_trip(k_rows) if fp8_emulation else k_rows.to(torch.float32)
         dots = torch.einsum("chd,cld->chl", qf[rows], k_rows)  # (c, H, D) x (c, L, D) -> (c, H, L)
         logits = (torch.relu(dots) * w[rows].unsqueeze(-1)).sum(dim=1)  # [c, Lmax]
         out[rows] = topk_from_window_scores(logits, lengths[rows], None, width)

@@ -88,3 +88,30 @@ def test_fp8_round_trip_matches_loop_and_is_idempotent():
     assert bool((y[0, 0] == 0).all())
 
 
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_paged_op_row_chunks_give_the_whole_batch_rows(fp8, monkeypatch):
+    """The paged op gathers keys in row chunks bounded by ``_GATHER_ELEMENT_BUDGET``; chunks
+    of one and of three rows (a budget that splits the batch unevenly) return the rows of one
+    chunk over the whole batch, and those match the per-row loop reference."""
+    case = ref.build_decode_case(DECODE_KV_LENS, HEADS, DIM, PAGE, seed=31, rows_per_request=(1, 2, 1, 3, 1, 1, 2, 1))
+    b = case.batch
+    cache = fill_cache(Indexer(HEADS, DIM, topology=DISABLED), case)
+    row_to_request = torch.tensor(b.row_to_request, dtype=torch.int64, device=case.q.device)
+    args = (case.q, case.weights, cache.k_cache, b.block_table.to(case.q.device), b.fmha_params.expanded_seq_lens,
+            row_to_request)
+    R = case.q.shape[0]
+    Lmax = b.block_table.shape[1] * cache.k_cache.shape[1]
+    whole = ops.paged_indexer_topk(*args, WIDTH, fp8)
+    assert ops._row_chunk(R, HEADS, Lmax, DIM) == R  # this case fits one chunk by default
+    for rows_per_chunk in (1, 3):
+        monkeypatch.setattr(ops, "_GATHER_ELEMENT_BUDGET", rows_per_chunk * Lmax * DIM)
+        assert ops._row_chunk(R, HEADS, Lmax, DIM) == rows_per_chunk
+        chunked = ops.paged_indexer_topk(*args, WIDTH, fp8)
+        assert torch.equal(chunked, whole), rows_per_chunk
+    expected, scores = ref.reference_paged_topk(
+        case.q.cpu(), case.weights.cpu(), cache.k_cache.cpu(), b.block_table.cpu(), b.row_lengths,
+        b.row_to_request, WIDTH, fp8_emulation=fp8,
+    )
+    assert_same_sets_up_to_near_ties(whole, expected, scores, b.row_lengths)
