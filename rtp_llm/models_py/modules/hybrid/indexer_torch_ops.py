@@ -19,7 +19,8 @@ order, ties to the lower position (the engine promises no order; this one is fix
 tests can compare exactly).
 
 Everything is vectorized over rows; the only Python loop walks fixed-size row *chunks*
-that bound the ``[chunk, H, L]`` logits buffer. No value is read on the host (no
+that bound the ``[chunk, H, L]`` logits buffer (and, in the paged op, the ``[chunk, L, D]``
+keys gathered block by block from the pool). No value is read on the host (no
 ``.item()``, ``nonzero``), so the ops also run under a CUDA sync-debug guard. Per-row
 results do not depend on which other rows share a call (CP rank subsets give the same
 rows as the whole batch; pinned by the CP test).
