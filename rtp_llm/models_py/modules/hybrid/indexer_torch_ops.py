@@ -41,8 +41,8 @@ FP8_GROUP_SIZE = 128  # the engine quantizes q and k per token in groups of 128 
 # Elements of the per-chunk [chunk, H, L] logits buffer: 2**24 fp32 = 64 MiB.
 _LOGITS_ELEMENT_BUDGET = 1 << 24
 # Elements of the paged op's per-chunk [chunk, L, D] gathered keys: 2**21 fp32 = 8 MiB
-# (the chunk is read back by the matmul right after the gather; a larger one costs up to
-# 3x per call on CPU: docs/results.md, "The indexer op's key gather").
+# (the chunk is read back by the matmul right after the gather; measured in
+# docs/results.md, "The indexer op's key gather").
 _GATHER_ELEMENT_BUDGET = 1 << 21
 
 
@@ -216,8 +216,7 @@ def paged_indexer_topk(
     int32 ``[R, W]`` request-local positions (offset 0), ``-1`` padding.
     """
     R, H, D = q.shape
-    num_blocks, page, _ = k_cache.shape
-    Lmax = block_table.shape[1] * page
+    Lmax = block_table.shape[1] * k_cache.shape[1]
     w = weights.reshape(R, H).to(torch.float32)
     qf = fp8_e4m3_round_trip(q) if fp8_emulation else q.to(torch.float32)
     # Each row's blocks (its request's row of the table; negative entries read block 0):

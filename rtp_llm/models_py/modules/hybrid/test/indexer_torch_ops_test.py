@@ -88,8 +88,6 @@ def test_fp8_round_trip_matches_loop_and_is_idempotent():
     assert bool((y[0, 0] == 0).all())
 
 
-
-
 @pytest.mark.parametrize("fp8", [False, True])
 def test_paged_op_row_chunks_give_the_whole_batch_rows(fp8, monkeypatch):
     """The paged op gathers keys in row chunks bounded by ``_GATHER_ELEMENT_BUDGET``; chunks
