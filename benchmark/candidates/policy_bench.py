@@ -14,6 +14,9 @@ after it, the best case, in the ``*_warm_*`` columns beside:
 * ``layer``      the same rows through the per-layer object the ``Indexer`` calls
                  (``TopologyKVLayerPolicy.run``: settings, layout and backend fixed at
                  construction, no per-call argument handling), per backend; the serving call;
+                 with ``cpu_fused`` also ``layer_one_thread``: that call with all ``R`` rows
+                 in one parallel chunk (one thread), and ``layer_over_one_thread``, what
+                 splitting the rows over the threads buys;
 * ``topk``       ``torch.topk`` over ``[R, L]`` fp32 indexer logits (the op the policy
                  follows; skipped above ``--max-topk-elements`` to bound memory), timed in
                  the same interleaved rounds as the policy;
@@ -61,6 +64,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.layer import TopologyKVLayerPolicy
 from rtp_llm.models_py.modules.hybrid.topology_kv.policy import apply_topology_kv_policy
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_fused
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.dispatch import can_use_backend, resolve_backend
 from benchmark.cli_checks import FlagError, check_output_file, given_flags
 from benchmark.candidates.cache_eviction import CacheEvictor
@@ -76,12 +80,15 @@ COLUMNS = [
     "mode", "backend", "rows", "seq_len", "width", "learned_scores", "policy_us", "policy_ms", "policy_p10_ms", "policy_p90_ms",
     "topk_ms", "copy_ms", "reference_ms", "policy_over_topk", "policy_over_copy", "per_row_us",
     "layer_us", "layer_over_topk", "layer_warm_us", "topk_warm_ms", "layer_over_topk_warm",
-    "witness_query_centroid_ms", "witness_query_mass_ms", "witness_query_bound_ms",
+    "layer_one_thread_us", "layer_over_one_thread", "witness_query_centroid_ms", "witness_query_mass_ms", "witness_query_bound_ms",
 ]
 # DeepSeek-V3.2's indexer: 64 heads of dim 128 (the query-centroid witness signal uses
 # the indexer's own q and per-block centroids of its keys, one KV head).
 INDEXER_HEADS, INDEXER_DIM = 64, 128
 LAYER_PREFIX = "layer:"  # the layer object's column of a backend in the interleaved rounds
+# The fused CPU kernel's layer call with every row on one thread (the rows' split over the
+# threads off), in the same rounds: what splitting a call's rows buys, side by side.
+ONE_THREAD = "layer-one-thread:" + TopologyKVBackend.CPU_FUSED.value
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -277,16 +284,22 @@ def run(args: argparse.Namespace, log=print, evict: Optional[CacheEvictor] = Non
                         backend=backend, out=out,
                     )
 
-                def layer_call(backend, cfg=cfg, s_=s_, out=out):
+                def layer_call(backend, cfg=cfg, s_=s_, out=out, one_thread=False):
                     layer = TopologyKVLayerPolicy.build(
                         IndexerTopologySettings(policy=dataclasses.replace(cfg, backend=backend)), layer_idx=0,
                         width=W, device=device,
                     )
+                    if one_thread:  # one parallel chunk of all R rows
+                        entry, _ = layer.kernel
+                        layer = dataclasses.replace(
+                            layer, kernel=(entry, cpu_fused.layer_args(layer.layout, W, grain_rows=R)))
                     return lambda: layer.run(x, lengths, block_drift_scores=drift, learned_scores=s_, out=out)
 
                 # The backend as a member, as a config holds it (a name would be parsed per call).
                 fns = {**baselines, **{b: functools.partial(call, TopologyKVBackend.parse(b)) for b in args.backend}}
                 fns.update({LAYER_PREFIX + b: layer_call(TopologyKVBackend.parse(b)) for b in args.backend})
+                if TopologyKVBackend.CPU_FUSED.value in args.backend:
+                    fns[ONE_THREAD] = layer_call(TopologyKVBackend.CPU_FUSED, one_thread=True)
                 if "compiled" in fns:
                     t0 = time.perf_counter()
                     fns["compiled"]()
@@ -300,6 +313,8 @@ def run(args: argparse.Namespace, log=print, evict: Optional[CacheEvictor] = Non
                 topk_ms = None if topk_times is None else statistics.median(topk_times)
                 topk_warm = warm.get("topk")
                 layer_times = {b: all_times.pop(LAYER_PREFIX + b) for b in args.backend}
+                one_thread_times = all_times.pop(ONE_THREAD, None)
+                one_thread_ms = None if one_thread_times is None else statistics.median(one_thread_times)
                 n_ref = min(R, args.reference_rows)
                 xr, lr = x[:n_ref].cpu(), lengths[:n_ref].cpu()
                 dr, sr = drift[:n_ref].cpu(), None if s_ is None else s_[:n_ref].cpu()
@@ -315,6 +330,7 @@ def run(args: argparse.Namespace, log=print, evict: Optional[CacheEvictor] = Non
                     policy_ms = statistics.median(times)
                     layer_ms = statistics.median(layer_times[backend])
                     layer_warm = warm[LAYER_PREFIX + backend]
+                    fused = backend == TopologyKVBackend.CPU_FUSED.value
                     results.append({
                         "mode": cfg.policy.value,
                         "backend": backend,
@@ -342,6 +358,8 @@ def run(args: argparse.Namespace, log=print, evict: Optional[CacheEvictor] = Non
                         "copy_warm_ms": warm["copy"],
                         "policy_over_topk_warm": None if topk_warm is None else warm[backend] / topk_warm,
                         "layer_over_topk_warm": None if topk_warm is None else layer_warm / topk_warm,
+                        "layer_one_thread_us": one_thread_ms * 1e3 if fused else None,
+                        "layer_over_one_thread": layer_ms / one_thread_ms if fused else None,
                         "compile_s": compile_s if backend == "compiled" else None,
                         "witness_query_centroid_ms": witness_ms,
                         "witness_query_mass_ms": mass_ms,

@@ -38,6 +38,11 @@ def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
         assert row["layer_over_topk"] == pytest.approx(row["layer_ms"] / row["topk_ms"])
         assert row["layer_warm_us"] > 0 and row["policy_warm_us"] > 0 and row["copy_warm_ms"] > 0
         assert row["layer_over_topk_warm"] == pytest.approx(row["layer_warm_us"] / 1e3 / row["topk_warm_ms"])
+        if row["backend"] == "cpu_fused":  # the same call with the rows on one thread, beside
+            assert row["layer_one_thread_us"] > 0
+            assert row["layer_over_one_thread"] == pytest.approx(row["layer_us"] / row["layer_one_thread_us"])
+        else:
+            assert row["layer_one_thread_us"] is None and row["layer_over_one_thread"] is None
     cache = payload["environment"]["cache"]
     assert cache["evict_bytes"] > 0 and cache["timing"] == "cold (headline), warm beside"
     tail = out[out.index("") + 1:]

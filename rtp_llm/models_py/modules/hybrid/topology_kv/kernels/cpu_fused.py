@@ -45,7 +45,10 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import (  # noq
     check_kernel_buffers,  # noqa: F401 (the buffer contract the C++ checks follow)
 )
 
-_GRAIN_ENTRIES = 32768  # at least this many row entries per thread
+# Rows per parallel chunk: at least this many row entries per thread, so that a row of
+# W >= 1,024 entries (15-40 us over 8k tokens) gets a thread of its own: splitting a
+# decode batch's rows over the threads outweighs waking them (docs/results.md, section 2).
+_GRAIN_ENTRIES = 1024
 # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into the
 # extension (without it, rows run serially); libgomp.so.1 resolves to the one torch loaded,
 # so torch.set_num_threads applies.
@@ -91,12 +94,20 @@ def topology_kv_policy_cpu(
 
 
 @functools.lru_cache(maxsize=512)
-def layer_args(layout: PolicyLayout, width: int) -> tuple:
-    """The kernel's constants for rows of width ``width`` (see :func:`run_layer`; cached)."""
+def layer_args(layout: PolicyLayout, width: int, grain_rows: Optional[int] = None) -> tuple:
+    """The kernel's constants for rows of width ``width`` (see :func:`run_layer`; cached).
+
+    ``grain_rows``: rows per parallel chunk (a call of ``R <= grain_rows`` rows runs on one
+    thread); None: ``max(1, _GRAIN_ENTRIES // width)``, the serving rule.
+    """
+    if grain_rows is None:
+        grain_rows = max(1, _GRAIN_ENTRIES // max(width, 1))
+    elif isinstance(grain_rows, bool) or not isinstance(grain_rows, int) or grain_rows < 1:
+        raise ValueError(f"grain_rows: expected an int >= 1 or None, got {grain_rows!r}")
     return (
         layout.only, layout.compress_mode, layout.sink_blocks, layout.local_blocks, layout.witness_count(width),
         layout.block_size, layout.structural_cap(width), -1 if layout.sink_tokens is None else layout.sink_tokens,
-        layout.scale_budget_by_length, max(1, _GRAIN_ENTRIES // max(width, 1)),
+        layout.scale_budget_by_length, grain_rows,
     )
 
 

@@ -29,10 +29,13 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.test.kernel_suite import (  # 
     expected,
     tensor_call,
 )
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import TopologyKVPolicyConfig  # noqa: E402
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_fused  # noqa: E402
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.cpu_fused import (  # noqa: E402
     can_use_cpu_kernel,
     topology_kv_policy_cpu,
 )
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.layout import PolicyLayout  # noqa: E402
 
 KERNEL = tensor_call(topology_kv_policy_cpu)
 
@@ -61,8 +64,8 @@ def test_out_may_be_the_input(mode):
 @pytest.mark.parametrize("scored", [False, True])
 def test_engine_shapes_in_parallel(mode, scored, threads):
     # The default config (block 64, 4 sink tokens, 2 local, 2 witness, 1/4 cap) on decode-like
-    # rows of width 512 over 4k tokens: 160 rows, more than one thread's grain (32768 entries
-    # = 64 rows) so that two threads split them; a few broken rows. Up to 128 evictions per
+    # rows of width 512 over 4k tokens: 160 rows, many times one thread's grain (1024 entries
+    # = 2 rows) so that two threads split them; a few broken rows. Up to 128 evictions per
     # row: the score eviction's radix sort (64 keys and more) runs, on distinct and tied scores.
     gen = torch.Generator().manual_seed(11)
     R, W, Lmax = 160, 512, 4096
@@ -92,6 +95,44 @@ def test_engine_shapes_in_parallel(mode, scored, threads):
     # most of them: the test exercises the row pass, not only the fallback copy.
     changed = (got != x).any(dim=1)
     assert torch.equal(got[5:7], x[5:7]) and changed.sum() > R // 2
+
+
+@pytest.mark.parametrize("mode", ENABLED_MODES)
+@pytest.mark.parametrize("rows", [2, 3, 5, 8])
+def test_layer_call_splits_a_decode_batch_over_threads_bit_for_bit(mode, rows):
+    # Rows of width 1024 over 8k tokens: the serving grain gives each row a chunk, so two
+    # threads split even 2 rows. Rows, counters and the out buffer equal those of the same
+    # call with every row in one chunk (one thread) and of the torch core.
+    gen = torch.Generator().manual_seed(rows)
+    W, L = 1024, 8192
+    x = torch.stack([torch.randperm(L, generator=gen)[:W] for _ in range(rows)]).to(torch.int32)
+    lengths = torch.full((rows,), L, dtype=torch.int32)
+    drift = torch.rand(rows, L // 64, generator=gen)
+    scores = torch.rand(rows, W, generator=gen)
+    kw = _kw(mode, W, block_size=64, sink_tokens=4, local_blocks=2, witness_blocks=2, frac=0.25)
+    layout = kw["layout"]
+    split = cpu_fused.layer_args(layout, W)
+    assert split[-1] == 1  # one row per chunk at W = 1024
+    one_chunk = cpu_fused.layer_args(layout, W, grain_rows=rows)
+    assert one_chunk[:-1] == split[:-1] and one_chunk[-1] == rows
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = [cpu_fused.run_layer(x, lengths, None, drift, None, None, args, learned_scores=scores)
+               for args in (split, one_chunk)]
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    want, want_counters, _ = expected(x, lengths, None, drift, scores, None, **kw)
+    assert torch.equal(got[0][0], want.to(got[0][0].dtype)) and got[0][1].tolist() == want_counters
+    assert (got[0][0] != x).any()  # the policy changed rows: the row pass ran, not a fallback copy
+
+
+@pytest.mark.parametrize("grain", [0, -1, 1.5, True, "2"])
+def test_layer_args_rejects_a_bad_grain(grain):
+    layout = PolicyLayout.from_config(TopologyKVPolicyConfig(policy="topology_sparse_merge"))
+    with pytest.raises(ValueError, match=r"^grain_rows: expected an int >= 1 or None, got "):
+        cpu_fused.layer_args(layout, 64, grain_rows=grain)
 
 
 _X, _L = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
