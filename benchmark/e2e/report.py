@@ -82,6 +82,7 @@ def targets(rows: List[Row]) -> List[Row]:
                 interval = paired_step_ratio(r.get("step_ms"), base.get("step_ms"))
                 if interval is not None:
                     item["interval"] = interval.to_json()
+                item["own_columns_ratio"] = own_columns_ratio(r, base)
                 out.append(item)
                 found = True
             if not found:
@@ -214,6 +215,22 @@ def format_iso_quality(entries: List[Row]) -> str:
     return "\n".join(lines)
 
 
+def own_columns_ratio(row: Row, base: Row) -> Optional[float]:
+    """``row``'s step relative to ``base``'s counting only the columns where their work
+    differs: ``1 + ((indexer + policy) - base's (indexer + policy)) / base's step`` (medians).
+
+    At the same W a merge mode attends to as many tokens per row as ``learned`` and runs the
+    same rest of the model, so this is its step ratio with those columns' noise left out
+    (and with any effect of the policy on them, e.g. colder caches, left out too). None
+    when a column is missing.
+    """
+    parts = ("indexer_ms", "policy_ms")
+    if any(r.get(p) is None for r in (row, base) for p in parts) or not base.get("step_ms_median"):
+        return None
+    own = sum(row[p] for p in parts) - sum(base[p] for p in parts)
+    return 1.0 + own / base["step_ms_median"]
+
+
 def step_ratio(row: Row, base: Row) -> float:
     """``row``'s step time relative to ``base``'s (same batch, decoded interleaved with it):
     the median over steps of the paired ratio ``row_i / base_i`` (step ``i`` of both ran in
@@ -242,6 +259,9 @@ def format_targets(items: List[Row]) -> str:
                 bound = COMPRESS_MAX_RATIO
                 value += ("; it holds the bound, not settled by this run)" if iv["lo"] <= bound <= iv["hi"]
                           else ")")
+            if t.get("own_columns_ratio") is not None:
+                value += (f"; its indexer + policy columns alone: {t['own_columns_ratio']:.3f} "
+                          "(attention and the rest taken as learned's)")
         elif t["passed"] is not None and " policy <= " in t["target"]:
             value = f"policy {t['value']:.1%} of the step"
         where = f"context {t['context']}" + (f", indexer {t['indexer_preset']}" if t.get("indexer_preset") else "")

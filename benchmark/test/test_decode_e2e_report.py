@@ -270,13 +270,31 @@ def test_the_step_target_prints_its_interval_and_whether_it_settles_the_bound():
     assert t["value"] == pytest.approx(1.04) and not t["passed"]
     assert (t["interval"]["lo"], t["interval"]["hi"]) == pytest.approx((1.02, 1.07))
     line = next(x for x in report.format_targets([t]).splitlines())
+    own = "; its indexer + policy columns alone: 1.020 (attention and the rest taken as learned's)"
     assert line.endswith("step time ratio 1.040 [1.020, 1.070] (98% sign-test interval over 10 steps; "
-                         "it holds the bound, not settled by this run)")
+                         "it holds the bound, not settled by this run)" + own)
     merged["step_ms"] = [x + 10.0 for x in merged["step_ms"]]  # every ratio above 1.1
     t = next(t for t in report.targets([base, merged]) if t["target"].startswith("learned+topology_sparse_merge within")
              and t["batch"] == 1)
     assert report.format_targets([t]).endswith("step time ratio 1.140 [1.120, 1.170] (98% sign-test interval over "
-                                               "10 steps)")
+                                               "10 steps)" + own)
+
+
+def test_the_step_target_counts_the_columns_where_the_work_differs():
+    """Hand-computed: (81 + 6.2) - (80 + 2) = 5.2 ms more over learned's 400 ms step -> 1.013,
+    whatever the attention and rest columns did (here 10 ms slower: noise it leaves out)."""
+    base, merged = row("learned", 2048, 8, 400.0), row("learned+topology_sparse_merge", 2048, 8, 420.0)
+    base.update(indexer_ms=80.0, policy_ms=2.0, attention_ms=200.0, rest_ms=118.0)
+    merged.update(indexer_ms=81.0, policy_ms=6.2, attention_ms=210.0, rest_ms=122.8)
+    t = next(t for t in report.targets([base, merged]) if t["target"].startswith("learned+topology_sparse_merge within")
+             and t["batch"] == 8)
+    assert t["value"] == pytest.approx(1.05) and t["own_columns_ratio"] == pytest.approx(1.013)
+    assert report.format_targets([t]).endswith("step time ratio 1.050; its indexer + policy columns alone: 1.013 "
+                                               "(attention and the rest taken as learned's)")
+    del merged["policy_ms"]  # an older JSON without the column: no estimate, the line as before
+    t = next(t for t in report.targets([base, merged]) if t["target"].startswith("learned+topology_sparse_merge within")
+             and t["batch"] == 8)
+    assert t["own_columns_ratio"] is None and report.format_targets([t]).endswith("step time ratio 1.050")
 
 
 def test_the_quality_target_prints_the_speed_interval_and_the_kl_difference():
