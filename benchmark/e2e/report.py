@@ -221,8 +221,8 @@ def own_columns_ratio(row: Row, base: Row) -> Optional[float]:
 
     At the same W a merge mode attends to as many tokens per row as ``learned`` and runs the
     same rest of the model, so this is its step ratio with those columns' noise left out
-    (and with any effect of the policy on them, e.g. colder caches, left out too). None
-    when a column is missing.
+    (and with any effect of the policy on them, e.g. colder caches, left out too; the
+    indexer column's own noise stays in). None when a column is missing.
     """
     parts = ("indexer_ms", "policy_ms")
     if any(r.get(p) is None for r in (row, base) for p in parts) or not base.get("step_ms_median"):

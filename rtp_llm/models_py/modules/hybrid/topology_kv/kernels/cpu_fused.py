@@ -93,7 +93,7 @@ def topology_kv_policy_cpu(
                      learned_scores=scores, out=out, counters=counters, mismatch_rows=mismatch_rows)
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=512, typed=True)  # typed: grain_rows=True is an error, not 1
 def layer_args(layout: PolicyLayout, width: int, grain_rows: Optional[int] = None) -> tuple:
     """The kernel's constants for rows of width ``width`` (see :func:`run_layer`; cached).
 

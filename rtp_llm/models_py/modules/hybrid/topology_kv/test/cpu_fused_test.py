@@ -131,6 +131,7 @@ def test_layer_call_splits_a_decode_batch_over_threads_bit_for_bit(mode, rows):
 @pytest.mark.parametrize("grain", [0, -1, 1.5, True, "2"])
 def test_layer_args_rejects_a_bad_grain(grain):
     layout = PolicyLayout.from_config(TopologyKVPolicyConfig(policy="topology_sparse_merge"))
+    assert cpu_fused.layer_args(layout, 64, grain_rows=1)[-1] == 1  # cached: True must not hit this entry
     with pytest.raises(ValueError, match=r"^grain_rows: expected an int >= 1 or None, got "):
         cpu_fused.layer_args(layout, 64, grain_rows=grain)
 
