@@ -101,7 +101,7 @@ def test_engine_shapes_in_parallel(mode, scored, threads):
 @pytest.mark.parametrize("rows", [2, 3, 5, 8])
 def test_layer_call_splits_a_decode_batch_over_threads_bit_for_bit(mode, rows):
     # Rows of width 1024 over 8k tokens: the serving grain gives each row a chunk, so two
-    # threads split even 2 rows. Rows, counters and the out buffer equal those of the same
+    # threads split even 2 rows. Rows and counters equal those of the same
     # call with every row in one chunk (one thread) and of the torch core.
     gen = torch.Generator().manual_seed(rows)
     W, L = 1024, 8192
