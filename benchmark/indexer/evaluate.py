@@ -12,7 +12,14 @@ and recall is the dense attention mass (averaged over heads) on them. Methods:
   model's own post-RoPE q/k (fp8 per vector), 1/2 of the attention's cost per key;
 * ``proxy-pca``: the end-to-end benchmark's untrained null model, one head over the KV
   heads' keys projected on their 64 principal directions (``benchmark.quality.proxy_indexers``);
-* ``locality``: the first 4 positions and the most recent ones.
+* ``locality``: the first 4 positions and the most recent ones;
+* ``trained, newest ties``: the trained indexer's scores with ties broken to the *newest*
+  position instead of the engine's oldest. With one head, ``relu`` scores a large share of
+  a row's keys exactly 0 in some layers; once a budget passes the keys scored above that
+  tie, the engine's rule fills the rest of the row with the oldest tied keys. This column
+  is what the same indexer keeps with recency deciding the ties.
+
+:func:`tie_decided_share` measures how much of a row the tie rule decides.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 from benchmark.indexer.capture import LayerSample
 from benchmark.quality.selector_base import fp8_per_vector_round_trip
 from rtp_llm.models_py.modules.hybrid.indexer_projections import IndexerProjections
+from rtp_llm.models_py.modules.hybrid.topology_kv.schedule import score_sort_keys
 from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import (
     fp8_e4m3_round_trip,
     topk_from_window_scores,
@@ -33,8 +41,10 @@ from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import (
 
 BUDGETS = (Fraction(1, 16), Fraction(1, 8), Fraction(1, 4))
 REUSE_BELOW = "reuse below"  # the layer below's trained rows on this layer (train_cli's shared-scan cost)
+TIE_DECIDED = "tie-decided slots"  # tie_decided_share of the trained rows (a share of W, not a recall)
 LOCALITY_SINKS = 4
-METHODS = ("oracle", "trained", "proxy", "proxy-pca", "locality")
+NEWEST_TIES = "trained, newest ties"
+METHODS = ("oracle", "trained", NEWEST_TIES, "proxy", "proxy-pca", "locality")
 
 Scores = Callable[[LayerSample], torch.Tensor]
 
@@ -51,6 +61,41 @@ def trained_scores(module: IndexerProjections, fp8: bool = True) -> Scores:
             return weighted_relu_logits(q, module.weights(x_rows), keys)
 
     return scores
+
+
+def newest_ties(scores: Scores) -> Scores:
+    """``scores`` with every tie broken to the newer position: fp32 ``[R, L]`` ranks.
+
+    Each row's keys are ranked by (score, position), so distinct scores keep their order
+    and equal ones order newest first; the ranks are integers below ``2**24``, exact in
+    fp32, and unique, so the engine's tie rule never applies to them.
+    """
+    def ranked(sample: LayerSample) -> torch.Tensor:
+        s = scores(sample)
+        R, L = s.shape
+        keys = score_sort_keys(s, torch.arange(L).expand(R, L))  # a larger position wins ties
+        return keys.argsort(dim=1).argsort(dim=1).to(torch.float32)
+
+    return ranked
+
+
+def tie_decided_share(scores: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """fp64 ``[R]``: the share of each row's ``width`` slots that the tie rule fills.
+
+    A row's top-``width`` is decided by ties where the ``width``-th best score is shared by
+    keys inside and outside the row: its slots holding that score are chosen by position,
+    not by score. Only the causal keys ``0 .. lengths[r] - 1`` count; a row with
+    ``lengths[r] <= width`` keeps every key and has no tie-decided slot.
+    """
+    R, L = scores.shape
+    causal = torch.arange(L).unsqueeze(0) < lengths.to(torch.int64).unsqueeze(1)
+    s = scores.to(torch.float32).masked_fill(~causal, float("-inf"))
+    k = min(width, L)
+    kth = torch.topk(s, k, dim=1).values[:, -1:]  # [R, 1] the width-th best causal score
+    above = ((s > kth) & causal).sum(dim=1)
+    tied = ((s == kth) & causal).sum(dim=1)
+    straddles = (above + tied > width) & (lengths.to(torch.int64) > width)
+    return torch.where(straddles, (width - above).to(torch.float64) / width, torch.zeros(R, dtype=torch.float64))
 
 
 def proxy_scores(sample: LayerSample) -> torch.Tensor:
@@ -112,6 +157,7 @@ def default_methods(trained: Optional[IndexerProjections], with_attention_qk: bo
     methods: Dict[str, Scores] = {"oracle": lambda s: s.target}
     if trained is not None:
         methods["trained"] = trained_scores(trained)
+        methods[NEWEST_TIES] = newest_ties(methods["trained"])
     if with_attention_qk:
         methods["proxy"] = proxy_scores
         methods["proxy-pca"] = pca_proxy_scores

@@ -23,8 +23,10 @@ What a run does (defaults in brackets):
    shape, the steps per layer and this command line).
 5. Evaluates on held-out windows of the training text and of another text [Pride and
    Prejudice], at each ``--eval-contexts`` [2,048]: recall at W = 1/16, 1/8, 1/4 of the
-   context for the oracle, the trained indexer, the proxies and locality
-   (:mod:`benchmark.indexer.evaluate`); a table per evaluation set, JSON and a plot. One
+   context for the oracle, the trained indexer (also with its ties broken to the newest
+   position), the proxies and locality, and the share of W the engine's tie rule fills in
+   the trained rows (:mod:`benchmark.indexer.evaluate`); a table per evaluation set, JSON
+   and a plot. One
    more set per context, ``copy probe``: a copy-probe window built as the quality gate
    builds one (the probe's segments, seed and layout written into the other text's first
    evaluation window) and, as rows, the second copies' positions, the rows that must find
@@ -49,7 +51,7 @@ import torch
 from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, check_output_file, is_file, shown
 from benchmark.progress import NO_PROGRESS_HELP
 from benchmark.indexer.checkpoints import model_rope_theta, parse_shape, resolve_shape
-from benchmark.indexer.evaluate import REUSE_BELOW
+from benchmark.indexer.evaluate import NEWEST_TIES, REUSE_BELOW, TIE_DECIDED
 from benchmark.quality.text import NOVELS
 
 TRAIN_FRACTION = 0.8
@@ -262,7 +264,14 @@ def train(args, lm, corpus, layers, shape, progress: bool):
 def evaluate(args, lm, corpus, layers, projections, progress: bool):
     """Step 5: ``{set name: {"context": c, "windows": [...], "layers": {layer: method -> budget -> recall}}}``."""
     from benchmark.indexer.capture import capture_window, sample_rows
-    from benchmark.indexer.evaluate import BUDGETS, REUSE_BELOW, default_methods, layer_recall, trained_scores
+    from benchmark.indexer.evaluate import (
+        BUDGETS,
+        default_methods,
+        layer_recall,
+        newest_ties,
+        tie_decided_share,
+        trained_scores,
+    )
     from benchmark.quality.probe import ProbeSettings, make_probe_window
 
     train_tokens = lm.tokenizer(corpus.texts[args.novel])["input_ids"]
@@ -291,19 +300,27 @@ def evaluate(args, lm, corpus, layers, projections, progress: bool):
             below = None  # the previous full-attention layer (the same query rows in every layer)
             for layer in layers:
                 methods = default_methods(projections.get(layer), True)
+                acc = sums.setdefault(layer, {})
                 if projections.get(layer) is not None:
+                    own = methods["trained"](captured[layer])  # scored once, read by three columns
+                    methods["trained"] = lambda sample, own=own: own
+                    methods[NEWEST_TIES] = newest_ties(methods["trained"])
                     # A layer reusing the rows of the one below (a shared indexer scan); the
                     # first layer always scans: its own rows.
                     source = below if below is not None and projections.get(below) is not None else layer
-                    reused = trained_scores(projections[source])(captured[source])
+                    reused = own if source == layer else trained_scores(projections[source])(captured[source])
                     methods[REUSE_BELOW] = lambda sample, reused=reused: reused
                 r = layer_recall([captured[layer]], methods, ctx, BUDGETS)
                 below = layer
-                acc = sums.setdefault(layer, {})
                 for method, by_budget in r.items():
                     for b, v in by_budget.items():
                         acc.setdefault(method, {}).setdefault(b, 0.0)
                         acc[method][b] += v * rows.numel()
+                if projections.get(layer) is not None:
+                    for b in BUDGETS:  # a share of W per row, averaged over rows like the recalls
+                        share = tie_decided_share(own, captured[layer].lengths, max(1, int(ctx * b)))
+                        acc.setdefault(TIE_DECIDED, {}).setdefault(str(b), 0.0)
+                        acc[TIE_DECIDED][str(b)] += float(share.sum())
             rows_total += rows.numel()
             del captured
             bar.update()
@@ -351,6 +368,9 @@ def summarize(evaluation) -> Dict[str, Dict[str, object]]:
                 if null in methods:
                     s[f"layers_below_{null}"] = [x for x in layers
                                                  if any(layers[x]["trained"][b] < layers[x][null][b] for b in budgets)]
+                    if NEWEST_TIES in methods:
+                        s[f"newest_ties_layers_below_{null}"] = [
+                            x for x in layers if any(layers[x][NEWEST_TIES][b] < layers[x][null][b] for b in budgets)]
         if REUSE_BELOW in methods:
             s["share"] = share_choice({x: layers[x]["trained"]["1/16"] - layers[x][REUSE_BELOW]["1/16"]
                                        for x in layers})
@@ -377,6 +397,12 @@ def markdown(evaluation, summary) -> str:
                           f"{s['worst_layer_gap_1_16']['layer']} ({s['worst_layer_gap_1_16']['gap']:.3f}); layers where "
                           "trained is below a null model at some budget: "
                       + "; ".join(f"{k[len('layers_below_'):]} {v}" for k, v in s.items() if k.startswith("layers_below_"))]
+            newest = [f"{k[len('newest_ties_layers_below_'):]} {v}" for k, v in s.items()
+                      if k.startswith("newest_ties_layers_below_")]
+            if newest:
+                lines += ["", f"`{NEWEST_TIES}` (the same scores, ties to the newest position) below a null model at "
+                              "some budget: " + "; ".join(newest) + f". `{TIE_DECIDED}`: the share of W the tie rule "
+                              "fills in the trained rows (not a recall)."]
         if "share" in s:
             lines += ["", f"`{REUSE_BELOW}`: each layer ranked with the rows of the full-attention layer below it "
                           "(a shared indexer scan; the first layer's own). Layers by recall lost at 1/16, most first: "
@@ -399,7 +425,7 @@ def plot(evaluation, path: Path) -> None:
     for ax, name in zip(axes[0], names):
         layers = evaluation[name]["layers"]
         xs = sorted(layers)
-        for method in next(iter(layers.values())):
+        for method in (m for m in next(iter(layers.values())) if m != TIE_DECIDED):  # recalls only
             ax.plot(xs, [layers[x][method]["1/16"] for x in xs], marker="o", ms=3, label=method)
         ax.set_title(f"{name} tokens, W = 1/16")
         ax.set_xlabel("layer")

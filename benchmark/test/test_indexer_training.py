@@ -267,15 +267,19 @@ def test_training_windows_and_evaluation_sets_of_the_command(captured):
     for name, s in ev.items():
         for x in layers:
             r = s["layers"][x]
-            assert set(r) == {"oracle", "trained", "proxy", "proxy-pca", "locality", "reuse below"}
+            assert set(r) == {"oracle", "trained", "trained, newest ties", "proxy", "proxy-pca", "locality",
+                              "reuse below", "tie-decided slots"}
             for method, by_budget in r.items():
                 for b, v in by_budget.items():
-                    assert 0.0 <= v <= r["oracle"][b] + 1e-9, (name, x, method, b)
+                    bound = 1.0 if method == "tie-decided slots" else r["oracle"][b]  # a share of W, not a recall
+                    assert 0.0 <= v <= bound + 1e-9, (name, x, method, b)
         first = s["layers"][layers[0]]
         assert first["reuse below"] == first["trained"], "the first layer scans: its own rows"
     summary = train_cli.summarize(ev)
     text = train_cli.markdown(ev, summary)
     assert "prideprejudice copy probe 512" in text and "RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=" in text
+    assert "`trained, newest ties` (the same scores, ties to the newest position) below a null model" in text
+    assert "newest_ties_layers_below_locality" in summary["emma (held out) 512"]
     share = summary["emma (held out) 512"]["share"]
     assert share["scan 1/2"]["layers"][0] == layers[0] and share["ranked"][0] != layers[0]
 
@@ -302,3 +306,69 @@ def test_the_shipped_checkpoints_are_one_per_model_and_shape_preset():
         preset = info.extra.get("shape_preset")
         assert preset in SHAPE_PRESETS and path.name.endswith(f".{preset}.safetensors"), path.name
         assert find_shipped_checkpoint(info.model_sha256, preset) == path
+
+
+# ---------------------------------------------------------------------------
+# The evaluation's tie diagnostics: the same scores with ties to the newest position, and the
+# share of a row the tie rule decides.
+
+
+def test_newest_ties_and_the_tie_decided_share_by_hand():
+    from benchmark.indexer.capture import LayerSample
+    from benchmark.indexer.evaluate import newest_ties, recall_at, tie_decided_share
+
+    scores = torch.tensor([[0.0, 0.0, 2.0, 0.0, 0.0, 1.0],   # 2 keys above a 4-way tie at 0
+                           [3.0, 2.0, 1.0, 0.5, 0.0, 0.0],   # no tie inside W = 3
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # causal length 2 <= W: every key kept
+    lengths = torch.tensor([6, 6, 2])
+    # W = 3: row 0 keeps 2 and 5 by score, its last slot by the tie rule (1 of 3 slots)
+    share = tie_decided_share(scores, lengths, 3)
+    assert share.tolist() == [1 / 3, 0.0, 0.0]
+    # W = 5: row 1's 5th score (0.0) is shared by keys 4 and 5: one slot decided by position
+    assert tie_decided_share(scores, lengths, 5).tolist() == [3 / 5, 1 / 5, 0.0]
+    target = torch.tensor([[0.1, 0.0, 0.3, 0.0, 0.4, 0.2],
+                           [0.0, 0.0, 0.0, 0.0, 0.5, 0.5],
+                           [0.6, 0.4, 0.0, 0.0, 0.0, 0.0]])
+    sample = LayerSample(hidden=torch.zeros(6, 1), rows=lengths - 1, target=target)
+    ranked = newest_ties(lambda s: scores)(sample)
+    assert ranked[0].tolist() == [0.0, 1.0, 5.0, 2.0, 3.0, 4.0]  # 2 > 5 > the ties, newest first
+    # the engine keeps 2, 5 and the oldest tie (0): 0.3 + 0.2 + 0.1; newest ties keep 4: 0.3 + 0.2 + 0.4
+    assert recall_at(scores, sample, 3).tolist() == pytest.approx([0.6, 0.0, 1.0])
+    assert recall_at(ranked, sample, 3).tolist() == pytest.approx([0.9, 0.0, 1.0])
+    assert recall_at(ranked, sample, 5).tolist() == pytest.approx([0.9, 0.5, 1.0])
+
+
+@hsettings(max_examples=40, deadline=None)
+@given(L=st.integers(1, 40), R=st.integers(1, 5), levels=st.integers(1, 4), W=st.integers(1, 45),
+       seed=st.integers(0, 2**16))
+def test_newest_ties_keeps_the_score_order_and_never_beats_it_by_score(L, R, levels, W, seed):
+    """Over random tie-heavy scores: the ranks order distinct scores as the scores do, break
+    equal ones newest first, and the rows they keep hold the same multiset of scores as the
+    engine's rows (ties only swap keys of equal score); the tie-decided share is the share of
+    W where the two rules may pick different keys."""
+    from benchmark.indexer.capture import LayerSample
+    from benchmark.indexer.evaluate import newest_ties, tie_decided_share
+
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, levels, (R, L), generator=gen).to(torch.float32)  # few levels: many ties
+    lengths = torch.randint(1, L + 1, (R,), generator=gen)
+    sample = LayerSample(hidden=torch.zeros(L, 1), rows=lengths - 1, target=torch.zeros(R, L))
+    ranked = newest_ties(lambda s: scores)(sample)
+    for r in range(R):
+        for i in range(L):
+            for j in range(L):
+                if scores[r, i] != scores[r, j]:
+                    assert (ranked[r, i] > ranked[r, j]) == (scores[r, i] > scores[r, j])
+                elif i != j:
+                    assert (ranked[r, i] > ranked[r, j]) == (i > j)
+    engine = rows_from_scores(scores, lengths, W)
+    newest = rows_from_scores(ranked, lengths, W)
+    share = tie_decided_share(scores, lengths, W)
+    for r in range(R):
+        a = sorted(float(scores[r, p]) for p in engine[r].tolist() if p >= 0)
+        b = sorted(float(scores[r, p]) for p in newest[r].tolist() if p >= 0)
+        assert a == b
+        differ = len(set(engine[r].tolist()) - set(newest[r].tolist()))
+        assert differ <= round(float(share[r]) * W)
+        if int(lengths[r]) <= W:
+            assert share[r] == 0.0
