@@ -372,3 +372,48 @@ def test_newest_ties_keeps_the_score_order_and_never_beats_it_by_score(L, R, lev
         assert differ <= round(float(share[r]) * W)
         if int(lengths[r]) <= W:
             assert share[r] == 0.0
+
+
+def test_retry_below_null_retrains_an_undertrained_layer_and_is_off_by_default(captured):
+    """train_cli.train on the tiny model with 1 step per layer: every layer ends below the PCA
+    proxy on the validation window; with --retry-below-null it gets a second attempt with
+    NULL_RETRY_STEPS x the steps at NULL_RETRY_LR x the learning rate, and without the flag
+    the run is the first attempt alone, the same one."""
+    import argparse
+    import random
+
+    from benchmark.indexer import train_cli
+
+    lm, layers = captured[0], captured[1]
+    rng = random.Random(5)
+    texts = {"emma": "".join(chr(97 + rng.randrange(26)) for _ in range(3000))}
+
+    class Corpus:
+        pass
+
+    corpus = Corpus()
+    corpus.texts = texts
+    tiny = type(lm)(model=lm.model, tokenizer=lambda text: {"input_ids": [ord(c) % 97 for c in text]},
+                    gguf_path=None, gguf_sha256="", full_attention_layers=lm.full_attention_layers)
+    shape = IndexerProjectionShape(heads=1, head_dim=16, rope_dim=8, hidden_size=64, q_input_size=64)
+
+    def run(flag):
+        args = argparse.Namespace(novel="emma", train_contexts=[256], train_windows=[2], copy_segments=0, rows=32,
+                                  seed=0, steps=1, lr=1e-3, batch_windows=2, flag_margin=0.99,
+                                  retry_below_null=flag)
+        return train_cli.train(args, tiny, corpus, layers, shape, progress=False)
+
+    _, rec_on, _ = run(True)
+    _, rec_off, _ = run(False)
+    for x in layers:
+        first, *rest = rec_on[x]["attempts"]
+        assert first["reason"] is None and first["val_below"], (x, first)  # 1 step: under a null model
+        assert len(rest) == 1 and rec_on[x]["flagged"]
+        assert rest[0]["reason"] == "below a null model"
+        assert rest[0]["steps"] == train_cli.NULL_RETRY_STEPS and rest[0]["lr"] == pytest.approx(1e-3 * train_cli.NULL_RETRY_LR)
+        assert rec_on[x]["steps"] == 1 + train_cli.NULL_RETRY_STEPS
+        assert len(rec_off[x]["attempts"]) == 1 and not rec_off[x]["flagged"]
+        off = rec_off[x]["attempts"][0]
+        for key in ("val_recall", "val_kl", "loss_first", "loss_last", "seed"):
+            assert off[key] == first[key], (x, key)  # the flag adds an attempt, it does not change the first
+        assert rec_off[x]["steps"] == 1
