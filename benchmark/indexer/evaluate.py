@@ -14,10 +14,10 @@ and recall is the dense attention mass (averaged over heads) on them. Methods:
   heads' keys projected on their 64 principal directions (``benchmark.quality.proxy_indexers``);
 * ``locality``: the first 4 positions and the most recent ones;
 * ``trained, newest ties``: the trained indexer's scores with ties broken to the *newest*
-  position instead of the engine's oldest. With one head, ``relu`` scores a large share of
-  a row's keys exactly 0 in some layers; once a budget passes the keys scored above that
-  tie, the engine's rule fills the rest of the row with the oldest tied keys. This column
-  is what the same indexer keeps with recency deciding the ties.
+  position instead of the top-k op's oldest-first rule. With one head, ``relu`` scores
+  part of a row's keys exactly 0; a budget wider than the keys scored above that tie is
+  filled with the oldest tied keys. This column is what the same indexer keeps with
+  recency deciding the ties.
 
 :func:`tie_decided_share` measures how much of a row the tie rule decides.
 """

@@ -67,8 +67,8 @@ DEFAULT_COPY_SEGMENTS = 4  # per 2,048 tokens, in every second training window o
 # Rows at or after context/4 are evaluated: their causal length exceeds every budget (<= 1/4).
 EVAL_FIRST_ROW = Fraction(1, 4)
 FIRST_TRAIN_ROW = 16  # rows shorter than this see too few keys to teach anything
-# --retry-below-null's second attempt: SmolLM2's layer 0 alone went from 0.357 to 0.381 at
-# 1/16 (locality 0.365) with these factors (docs/indexer.md, "Where the per-layer targets fail").
+# --retry-below-null's second attempt, relative to the first (the recipe measured on
+# SmolLM2's layer 0: docs/indexer.md, "Where the per-layer targets fail").
 NULL_RETRY_STEPS = 4
 NULL_RETRY_LR = 3.0
 NULL_MODELS = ("locality", "proxy-pca")
