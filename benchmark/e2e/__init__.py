@@ -11,7 +11,7 @@ Modules, one concern each (imports run downwards):
     clock      the phase timers' clock: perf_counter, synchronized on CUDA
     layout     the paged pools and block tables: shared prefill blocks, private blocks per variant
     indexers   the proxy indexer and its presets (dsa-ratio, model); the variants' ``Indexer``
-    memory     a step's transient peak memory (host, or the CUDA allocator's)
+    memory     a step's transient peak memory (host, or the CUDA allocator's); host page faults per step
     attention  the registered attention hook and its per-forward ``StepPlan``
     paired     the balanced variant order per step; intervals of the paired step ratio and KL difference
     report     the targets, markdown tables, the step-vs-batch plot, merged runs

@@ -9,9 +9,11 @@ this file is the command line and keeps the names other code imports.
 
 Per variant, context and batch: step time (median, p90) split into indexer / policy /
 attention / rest of the model, tokens/s, modelled KV bytes read, top-1 agreement and mean
-KL against dense, peak memory. Targets (printed PASS/FAIL/NOT RUN, never
-asserted): at context 8192 ``topology_only_noscan`` >= 1.3x dense at batch 8; each merge
-mode (``learned+topology_sparse_merge``, ``learned+topology_compress_sparse``) within 3%
+KL against dense, peak memory, and one line with the host page faults per step (pages the
+steps took fresh from the OS, which would put allocator cost into the timings). Targets
+(printed PASS/FAIL/NOT RUN, never asserted): at context 8192 ``topology_only_noscan`` >=
+1.3x dense at batch 8; each merge mode (``learned+topology_sparse_merge``,
+``learned+topology_compress_sparse``) within 3%
 of ``learned`` step time at batch 1 and 8 (every context run; the paired step ratio with
 its sign-test interval, and beside it the ratio counting only the indexer and policy
 columns, where the two do different work), and its policy column at most 3% of its step
@@ -46,6 +48,7 @@ from benchmark.e2e.indexers import DSA_RATIO, PRESETS, VARIANTS, check_variant, 
 from benchmark.e2e.layout import Layout, request_lengths, rows_to_slots, slots_of  # noqa: F401
 from benchmark.e2e.policy_counters import format_counter_table  # noqa: F401
 from benchmark.e2e.report import (  # noqa: F401
+    format_host_faults,
     format_iso_quality,
     format_merged,
     format_table,
@@ -218,6 +221,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"{'indexer' if shape['preset'] == 'trained' else 'untrained proxy indexer'}: {shape['preset']} ({shape['heads']} heads x {shape['dim']} dims, "
           f"{shape['ratio_to_attention']:.3f} of attention's multiply-adds per key)\n")
     print(format_table(result["rows"]))
+    faults = format_host_faults(result["rows"])
+    if faults:
+        print(f"\n{faults}")
     print()
     print(format_targets(result["targets"]))
     if result.get("iso_quality"):

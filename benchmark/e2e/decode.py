@@ -26,7 +26,7 @@ from benchmark.e2e.attention import PARTS, PLAN_KWARG, StepPlan, dense_mask
 from benchmark.e2e.clock import phase_clock
 from benchmark.e2e.indexers import IndexerShape, ProxyIndexer, TrainedIndexerInputs, make_indexer, share_plan
 from benchmark.e2e.layout import LayerPools, Layout, VariantState, slots_of
-from benchmark.e2e.memory import measure_step_memory, tensor_bytes
+from benchmark.e2e.memory import measure_step_memory, minor_page_faults, tensor_bytes
 from benchmark.e2e.paired import balanced_orders
 from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY, step_totals
 from benchmark.quality.model import full_attention_layers
@@ -246,10 +246,12 @@ def decode_step(model, run: BatchRun, st: VariantState, tokens: torch.Tensor, me
         logp = torch.log_softmax(out.logits.to(torch.float32), dim=-1)
         return logp, clock() - t0
 
+    faults_before = minor_page_faults()
     if measure_memory:
         (logp, total), mem = measure_step_memory(forward, run.layout.device)
     else:
         (logp, total), mem = forward(), None
+    faults_after = minor_page_faults()
     timers = dict(plan.timers)
     timers["rest"] = max(0.0, total - sum(timers[p] for p in PARTS if p != "rest"))
     st.lens = [n + tokens.shape[1] for n in st.lens]
@@ -264,7 +266,11 @@ def decode_step(model, run: BatchRun, st: VariantState, tokens: torch.Tensor, me
             # dense reads each request's KV once for its rows; a sliding-window layer its window
             "dense_read_tokens": kv_after * n_dense + window_read,
             "scanned_keys": kv_after * n_scan,  # the indexer reads each request's keys once
-            "step_peak_bytes": mem}
+            "step_peak_bytes": mem,
+            # host pages the step took fresh from the OS (None off Unix, and on the step whose
+            # memory is measured: its malloc_trim hands pages back first)
+            "host_minor_faults": (None if faults_before is None or measure_memory
+                                  else faults_after - faults_before)}
     # After the step, as serving reads it: one host read, reported too when metrics are on.
     step[COUNTERS_KEY] = step_totals(plan.counters, timers["policy"] * 1e3)
     return logp, step

@@ -1,7 +1,8 @@
-"""A decode step's transient peak memory on the run's device.
+"""A decode step's transient peak memory on the run's device, and the host pages it faulted in.
 
 CPU: the process's host memory (Linux/glibc counters; None elsewhere). CUDA: the caching
-allocator's device memory (``torch.cuda`` peak statistics).
+allocator's device memory (``torch.cuda`` peak statistics). On either, the host's minor
+page faults (:func:`minor_page_faults`) count the pages a step took fresh from the OS.
 """
 
 from __future__ import annotations
@@ -82,6 +83,20 @@ def _measure_host(fn):
     if not ok or before is None or peak is None:
         return result, None
     return result, max(0, peak - before)
+
+
+def minor_page_faults() -> Optional[int]:
+    """The process's minor page faults so far (``getrusage``), or None where the platform lacks it.
+
+    The difference of two readings around a decode step counts the host pages its
+    allocations took fresh from the OS (each zero-filled by the kernel), a cost a serving
+    process's caching allocator does not pay per step; a step that only reuses freed heap
+    memory takes none."""
+    try:
+        import resource
+    except ImportError:  # not Unix
+        return None
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
 def tensor_bytes(tensors) -> int:

@@ -6,7 +6,8 @@ top-k), policy (the rest of ``_compute_topk``), attention (K/V write, gather, so
 the rest of the model; tokens/s (rows per second); KV bytes read per step (modelled);
 agreement with dense (top-1 agreement rate over every row and step, mean KL(dense ||
 variant) of the next-token distribution); peak memory (see
-:func:`benchmark.e2e.memory.measure_step_memory`).
+:func:`benchmark.e2e.memory.measure_step_memory`); the host's minor page faults per timed
+step (mean; :func:`benchmark.e2e.memory.minor_page_faults`).
 
 ``--device`` places the model, its trained indexer and every tensor of the run
 (:class:`benchmark.e2e.layout.Layout`); on CUDA the timers synchronize at each phase
@@ -58,6 +59,7 @@ def summarize(variant: str, run: BatchRun, rec: Dict[str, list], Hkv: int, D: in
     top1 = [x for step in rec["top1"] for x in step]
     kls = [x for step in rec["kl"] for x in step]
     peaks = [s["step_peak_bytes"] for s in rec["steps"] if s["step_peak_bytes"] is not None]
+    faults = [s["host_minor_faults"] for s in steps if s.get("host_minor_faults") is not None]
     step_peak = max(peaks) if peaks else None
     B, T = L.batch, L.rows_per_step
     first_div = []
@@ -90,6 +92,7 @@ def summarize(variant: str, run: BatchRun, rec: Dict[str, list], Hkv: int, D: in
         "shared_state_bytes": run.shared_bytes,
         "peak_bytes": None if step_peak is None else run.shared_bytes + own_bytes + step_peak,
         "memory_counter": memory_counter(L.device),
+        "host_minor_faults_per_step": sum(faults) / len(faults) if faults else None,  # mean over timed steps
         "prefill_s": run.prefill_s,
         "tokens": [step for step in rec["argmax"]],
         COUNTERS_KEY: sum_totals(rec["steps"]),  # every step, warm-up included, as the exporter counts

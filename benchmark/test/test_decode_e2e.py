@@ -161,6 +161,8 @@ def test_small_budget_selects_at_most_w_and_times_parts(loaded, text, shape):
         assert row["step_ms_median"] > 0 and 0 <= row["top1_agreement"] <= 1 and row["mean_kl"] >= 0
         assert row["peak_bytes"] is None or row["peak_bytes"] >= row["shared_state_bytes"]
         assert row["attention_ms"] > 0 and row["rest_ms"] >= 0
+        if sys.platform.startswith("linux"):  # getrusage counts them there (None only off Unix)
+            assert row["host_minor_faults_per_step"] is not None and row["host_minor_faults_per_step"] >= 0
         if variant == "dense":
             continue
         assert row["kv_bytes_vs_dense"] < 1
@@ -180,6 +182,10 @@ def test_small_budget_steps(loaded, text, shape):
             assert 0 < s["attended_tokens"] <= NUM_LAYERS * len(lens) * width
             assert (s["scanned_keys"] > 0) == (variant != "topology_only_noscan")
             assert s["total_s"] > 0 and s["attention_s"] > 0
+        # Step 0's memory is measured (malloc_trim first): its fault count would count the trim.
+        assert out[variant]["steps"][0]["host_minor_faults"] is None
+        if sys.platform.startswith("linux"):
+            assert out[variant]["steps"][1]["host_minor_faults"] >= 0
 
 
 def test_targets_report_pass_fail_without_asserting():
