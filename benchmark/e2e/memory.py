@@ -12,6 +12,11 @@ from typing import Optional
 
 import torch
 
+try:
+    import resource
+except ImportError:  # not Unix: no fault counts
+    resource = None
+
 # What each device's counter measures (the rows' ``memory_counter`` field).
 HOST_COUNTER = "VmHWM - VmRSS around step 0 after malloc_trim, plus counted shared and own tensors"
 CUDA_COUNTER = ("torch.cuda.max_memory_allocated - memory_allocated around step 0 after reset_peak_memory_stats, "
@@ -92,9 +97,7 @@ def minor_page_faults() -> Optional[int]:
     allocations took fresh from the OS (each zero-filled by the kernel), a cost a serving
     process's caching allocator does not pay per step; a step that only reuses freed heap
     memory takes none."""
-    try:
-        import resource
-    except ImportError:  # not Unix
+    if resource is None:
         return None
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
