@@ -406,13 +406,15 @@ def _heads_dims(heads, dim) -> str:
 
 def format_host_faults(rows: List[Row]) -> Optional[str]:
     """One line: the range over rows of the mean host minor page faults per timed step, as
-    pages and MiB (4 KiB pages); None when no row counted them."""
+    pages and MiB at 4 KiB a fault (a lower bound where transparent huge pages map more per
+    fault); None when no row counted them."""
     counts = [r["host_minor_faults_per_step"] for r in rows if r.get("host_minor_faults_per_step") is not None]
     if not counts:
         return None
     lo, hi = min(counts), max(counts)
     return (f"host minor page faults per timed step (mean per row): {lo:.0f} .. {hi:.0f} "
-            f"({lo * 4096 / 2**20:.1f} .. {hi * 4096 / 2**20:.1f} MiB of pages taken fresh from the OS)")
+            f"({lo * 4096 / 2**20:.1f} .. {hi * 4096 / 2**20:.1f} MiB at 4 KiB a fault; "
+            "a transparent-huge-page fault maps more)")
 
 
 def machine_of(env: Row) -> str:
