@@ -6,6 +6,15 @@ heads (:class:`~benchmark.indexer.capture.LayerSample.target`) and ``I`` the ind
 of the indexer's own projections (:mod:`rtp_llm.models_py.modules.hybrid.indexer_projections`),
 both over the row's causal keys. The model is frozen and the indexer's inputs are
 detached (they are captured tensors). AdamW with a linear warm-up and a cosine decay.
+
+With one indexer head, ``relu`` zeroes the score of every key whose dot product is
+negative, and a zero score passes no gradient: a key the dense attention weights but the
+indexer scores below 0 stays at 0, tied with the keys that deserve 0, and the engine's tie
+rule (lower position first) then fills the row with the oldest of them.
+``DistillSettings.dead_slope > 0`` trains through that region: the forward score is
+exactly DSA's, the backward of ``relu`` passes ``dead_slope`` of the gradient below 0
+(a straight-through leak), so the KL lifts a weighted key back above 0. The trained
+module is unchanged in form; the leak exists only in training.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ class DistillSettings:
     warmup_steps : linear warm-up steps before the cosine decay to ``lr * min_lr_ratio``
     batch_windows : windows per step (cycled in a seeded order)
     weight_decay : AdamW's decoupled weight decay
+    dead_slope : the share of the gradient ``relu`` passes below 0 in training (0: DSA's
+        plain relu; the forward score is DSA's either way)
     """
 
     steps: int = 200
@@ -38,6 +49,7 @@ class DistillSettings:
     min_lr_ratio: float = 0.05
     batch_windows: int = 2
     weight_decay: float = 0.0
+    dead_slope: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_windows"):
@@ -48,6 +60,8 @@ class DistillSettings:
             raise ValueError(f"lr: expected > 0, got {self.lr!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio: expected in [0, 1], got {self.min_lr_ratio!r}")
+        if not 0 <= self.dead_slope <= 1:
+            raise ValueError(f"dead_slope: expected in [0, 1], got {self.dead_slope!r}")
 
     def lr_at(self, step: int) -> float:
         """Learning rate of step ``step`` (0-based): linear warm-up, then cosine decay."""
@@ -59,13 +73,26 @@ class DistillSettings:
         return floor + (self.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _raw_scores(module: IndexerProjections, sample: LayerSample) -> torch.Tensor:
-    """fp32 ``[R, L]`` index scores of the sample's rows over every key (no causal mask)."""
+def leaky_backward_relu(x: torch.Tensor, slope: float) -> torch.Tensor:
+    """``relu(x)`` in the forward (exactly); in the backward, ``slope`` of the gradient
+    below 0 (1 above). ``slope == 0`` is plain ``relu``."""
+    if slope == 0:
+        return torch.relu(x)
+    below = x.clamp(max=0)
+    return torch.relu(x) + slope * (below - below.detach())
+
+
+def _raw_scores(module: IndexerProjections, sample: LayerSample, dead_slope: float = 0.0) -> torch.Tensor:
+    """fp32 ``[R, L]`` index scores of the sample's rows over every key (no causal mask);
+    ``dead_slope``: :func:`leaky_backward_relu`'s slope (the values are DSA's either way)."""
     L = sample.hidden.shape[0]
     keys = module.keys(sample.hidden, torch.arange(L))  # [L, D]
     x_rows = sample.hidden.index_select(0, sample.rows)  # [R, C]
     q = module.queries(x_rows, sample.rows)  # [R, H, D]
-    return weighted_relu_logits(q, module.weights(x_rows), keys)
+    if dead_slope == 0:
+        return weighted_relu_logits(q, module.weights(x_rows), keys)
+    dots = torch.einsum("rhd,ld->rhl", q, keys)  # as weighted_relu_logits, relu swapped
+    return (leaky_backward_relu(dots, dead_slope) * module.weights(x_rows).unsqueeze(-1)).sum(dim=1)
 
 
 def _future(sample: LayerSample) -> torch.Tensor:
@@ -103,9 +130,10 @@ class _TrainingTarget:
         self.future = _future(sample)
         self.neg_entropy = float(torch.xlogy(p, p).sum(dim=-1).mean())  # 0 log 0 = 0
 
-    def loss(self, module: IndexerProjections) -> torch.Tensor:
-        """``kl_to_target(index_logits(module, sample), sample.target)`` with fewer passes."""
-        logq = torch.log_softmax(_raw_scores(module, self.sample).masked_fill(self.future, self.FLOOR), dim=-1)
+    def loss(self, module: IndexerProjections, dead_slope: float = 0.0) -> torch.Tensor:
+        """``kl_to_target(index_logits(module, sample), sample.target)`` with fewer passes
+        (the same value for any ``dead_slope``; only its gradient differs)."""
+        logq = torch.log_softmax(_raw_scores(module, self.sample, dead_slope).masked_fill(self.future, self.FLOOR), dim=-1)
         return self.neg_entropy - (self.sample.target * logq).sum(dim=-1).mean()
 
 
@@ -150,7 +178,7 @@ def train_layer(
         for group in opt.param_groups:
             group["lr"] = settings.lr_at(step)
         opt.zero_grad(set_to_none=True)
-        loss = sum(targets[i].loss(module) for i in batch) / len(batch)
+        loss = sum(targets[i].loss(module, settings.dead_slope) for i in batch) / len(batch)
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))

@@ -42,6 +42,7 @@ What a run does (defaults in brackets):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -108,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps per layer (default {DEFAULT_STEPS})")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--batch-windows", type=int, default=2, help="windows per optimizer step (default 2)")
+    p.add_argument("--dead-slope", type=float, default=0.0,
+                   help="in training only, the share of the gradient relu passes below 0, so a key the attention "
+                        "weights but the indexer scores below 0 can come back (default 0: plain relu; the trained "
+                        "score is DSA's either way)")
     p.add_argument("--flag-margin", type=float, default=0.08,
                    help="retrain a layer whose validation recall at 1/16 is this far below the oracle's (default 0.08)")
     p.add_argument("--retry-below-null", action="store_true",
@@ -155,6 +160,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')}: expected >= 1, got {value}")
     if not args.lr > 0:
         p.error(f"--lr: expected > 0, got {args.lr}")
+    if not 0 <= args.dead_slope <= 1:
+        p.error(f"--dead-slope: expected in [0, 1], got {args.dead_slope}")
     if not 0 < args.flag_margin < 1:
         p.error(f"--flag-margin: expected in (0, 1), got {args.flag_margin}")
     if (args.out is None) == (args.evaluate is None):
@@ -241,11 +248,11 @@ def train(args, lm, corpus, layers, shape, progress: bool):
     bar.close()
     val = samples.pop()
     val_ctx = len(val_window.token_ids)
-    base = DistillSettings(steps=args.steps, lr=args.lr, batch_windows=args.batch_windows)
+    base = DistillSettings(steps=args.steps, lr=args.lr, batch_windows=args.batch_windows,
+                           dead_slope=args.dead_slope)
     retries = {  # why a layer is retrained -> its second attempt
-        "collapsed": DistillSettings(steps=args.steps * 2, lr=args.lr / 2, batch_windows=args.batch_windows),
-        "below a null model": DistillSettings(steps=args.steps * NULL_RETRY_STEPS, lr=args.lr * NULL_RETRY_LR,
-                                              batch_windows=args.batch_windows),
+        "collapsed": dataclasses.replace(base, steps=args.steps * 2, lr=args.lr / 2),
+        "below a null model": dataclasses.replace(base, steps=args.steps * NULL_RETRY_STEPS, lr=args.lr * NULL_RETRY_LR),
     }
     projections, record = {}, {}
     bar = _bar(len(layers) * args.steps, "train", not progress)

@@ -417,3 +417,69 @@ def test_retry_below_null_retrains_an_undertrained_layer_and_is_off_by_default(c
         for key in ("val_recall", "val_kl", "loss_first", "loss_last", "seed"):
             assert off[key] == first[key], (x, key)  # the flag adds an attempt, it does not change the first
         assert rec_off[x]["steps"] == 1
+
+
+# ---------------------------------------------------------------------------
+# Training through relu's dead region (DistillSettings.dead_slope): the score is DSA's,
+# only the gradient below 0 differs.
+
+import copy  # noqa: E402
+
+from benchmark.indexer.distill import leaky_backward_relu  # noqa: E402
+
+
+@hsettings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 64), slope=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+def test_leaky_backward_relu_is_relu_forward_and_leaks_slope_backward(n, slope, seed):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    x = torch.where(x == 0, torch.ones_like(x), x).requires_grad_(True)  # relu's gradient at 0 is a convention
+    y = leaky_backward_relu(x, slope)
+    assert torch.equal(y, torch.relu(x.detach()))
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    expected = torch.where(x.detach() > 0, torch.ones_like(grad), torch.full_like(grad, slope))
+    torch.testing.assert_close(grad, expected, rtol=0, atol=1e-7)
+
+
+def test_a_dead_row_learns_only_with_the_leak():
+    # Every dot product negative (the key LayerNorm's bias points away from the query):
+    # every score is relu's 0, so the KL is log(L) - H(p) whatever the target, and plain
+    # relu passes no gradient at all; the leak passes one and lowers the loss.
+    L, C = 24, 16
+    g = torch.Generator().manual_seed(0)
+    shape = IndexerProjectionShape(heads=1, head_dim=8, rope_dim=0, hidden_size=C, q_input_size=C)
+    torch.manual_seed(0)
+    module = IndexerProjections(shape)
+    hidden = torch.randn(L, C, generator=g)
+    with torch.no_grad():
+        module.wq_b.weight.zero_()
+        module.wq_b.weight[0, 0] = 1.0  # q = (x_0, 0, ...)
+        module.k_norm.bias.zero_()
+        module.k_norm.bias[0] = -1.0  # k_0 ~ -1: q . k ~ -3 on the row below
+        module.k_norm.weight.fill_(0.01)
+    rows = torch.tensor([L - 1])
+    hidden[L - 1, 0] = 3.0  # the row's q_0 > 0: every dot product is negative
+    target = torch.zeros(1, L)
+    target[0, L - 1] = 1.0  # the dense attention puts its mass on the current token
+    sample = LayerSample(hidden=hidden, rows=rows, target=target)
+    raw = _TrainingTarget(sample)
+    assert float(index_logits(module, sample)[0].detach().max()) == 0.0  # the row is all ties
+    plain = raw.loss(module, 0.0)
+    leaky = raw.loss(module, 0.1)
+    assert float(plain.detach()) == pytest.approx(torch.log(torch.tensor(float(L))).item(), rel=1e-5)
+    assert float(leaky.detach()) == float(plain.detach())  # the same value: the forward is DSA's
+    plain_grads = torch.autograd.grad(plain, list(module.parameters()), allow_unused=True)
+    assert all(g is None or float(g.abs().max()) == 0.0 for g in plain_grads)
+    trajectories = {}
+    for slope in (0.0, 0.1):
+        m = copy.deepcopy(module)
+        opt = torch.optim.Adam(m.parameters(), lr=0.05)
+        losses = []
+        for _ in range(60):
+            opt.zero_grad()
+            loss = raw.loss(m, slope)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        trajectories[slope] = losses
+    assert trajectories[0.0][-1] == trajectories[0.0][0], "plain relu: a dead row never moves"
+    assert trajectories[0.1][-1] < 0.5 * trajectories[0.1][0], trajectories[0.1]
