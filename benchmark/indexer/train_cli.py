@@ -23,6 +23,8 @@ What a run does (defaults in brackets):
    1/8 or 1/4 is retrained too, as an undertrained one (another seed,
    :data:`NULL_RETRY_STEPS` times the steps at :data:`NULL_RETRY_LR` times the learning
    rate); off by default, so the shipped checkpoints' commands reproduce them.
+   ``--dead-slope`` [0] passes that share of relu's gradient below 0 in training
+   (:func:`benchmark.indexer.distill.leaky_backward_relu`); the score stays DSA's.
 4. Writes the checkpoint (bf16 safetensors with the model's and the text's sha256, the
    shape, the steps per layer and this command line).
 5. Evaluates on held-out windows of the training text and of another text [Pride and
