@@ -13,8 +13,10 @@ indexer scores below 0 stays at 0, tied with the keys that deserve 0, and the en
 rule (lower position first) then fills the row with the oldest of them.
 ``DistillSettings.dead_slope > 0`` trains through that region: the forward score is
 exactly DSA's, the backward of ``relu`` passes ``dead_slope`` of the gradient below 0
-(a straight-through leak), so the KL lifts a weighted key back above 0. The trained
-module is unchanged in form; the leak exists only in training.
+(a straight-through leak), so the KL can lift a weighted key back above 0. The trained
+module is unchanged in form; the leak exists only in training. Measured on SmolLM2's
+layer 19 at 8k, a leak of 0.1 left its rows as tie-decided as plain relu did
+(docs/indexer.md, "Two ways around the ties"): 0, the default, is DSA's training.
 """
 
 from __future__ import annotations
