@@ -29,7 +29,7 @@ from benchmark.quality.policy_selectors import (
 from benchmark.quality.raised_gate import evaluate_raised_gate, format_raised_gate, raised_gate_selectors
 from benchmark.quality.shared_gate import evaluate_shared_gate, format_shared_gate, shared_gate_selectors
 from benchmark.quality.shared_scans import PROFILE_SCAN, split_shared_name
-from benchmark.quality.report import markdown_report, write_outputs
+from benchmark.quality.report import NO_POLICY_MODE, markdown_report, write_outputs
 from benchmark.quality.runner import GridSettings, run_grid, select_all_self_check
 from benchmark.quality.selector_base import SelectorSettings
 from benchmark.quality.selectors import PROFILE_SELECTOR, profile_selector_mode, resolve_selector_names
@@ -479,7 +479,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     paths = write_outputs(grid, list(cfg["selectors"]), verdicts, settings, cfg["out_dir"], plots=not args.no_plots)
     print(markdown_report(grid, list(cfg["selectors"]), verdicts, settings))
     print("Gate:")
-    print(format_gate(verdicts) or "(no policy mode in --selectors)")
+    print(format_gate(verdicts) or NO_POLICY_MODE)
     if grid.probe is not None:
         print("\nCopy probe:")
         print(probe_summary(grid.probe, list(cfg["selectors"])))
@@ -495,9 +495,14 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _report_extra_gate(out_dir: Path, key: str, title: str, checks, format_checks) -> None:
-    """Print a gate's checks and add them to ``out_dir/results.json`` under ``key``."""
+    """Print a gate's checks, append them to ``out_dir/report.md`` as a section and add
+    them to ``out_dir/results.json`` under ``key``."""
+    text = format_checks(checks)
     print(f"\n{title}:")
-    print(format_checks(checks))
+    print(text)
+    report_path = out_dir / "report.md"
+    with report_path.open("a") as f:
+        f.write(f"\n## {title}\n\n```\n{text}\n```\n")
     results_path = out_dir / "results.json"
     payload = json.loads(results_path.read_text())
     payload[key] = [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in checks]

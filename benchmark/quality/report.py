@@ -13,6 +13,8 @@ from benchmark.quality.iso_quality import iso_quality, iso_quality_json, iso_qua
 from benchmark.quality.runner import GridResult, cell_summary, sorted_cells, stage_breakdown
 from benchmark.quality.shared_scans import scan_share
 
+NO_POLICY_MODE = "(no policy mode in --selectors)"
+
 
 def _f(x, digits=3) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
@@ -47,7 +49,11 @@ def markdown_report(
            if settings['text'].get('file') else "")
         + f", windows {settings['text']['windows']}. torch {settings['versions']['torch']}."
     )
-    out += ["", "## Gate", "", "| mode | verdict | check | result | numbers |", "|---|---|---|---|---|"]
+    out += ["", "## Gate", ""]
+    if verdicts:
+        out += ["| mode | verdict | check | result | numbers |", "|---|---|---|---|---|"]
+    else:
+        out.append(NO_POLICY_MODE)
     for v in verdicts:
         for i, c in enumerate(v.checks):
             mode, status = (v.mode, v.status) if i == 0 else ("", "")

@@ -11,6 +11,7 @@ fp64 reference within fp32 tolerance. About 1.5 minutes on 2 shared cores.
 from __future__ import annotations
 
 import dataclasses
+import json
 from fractions import Fraction
 from typing import Callable
 
@@ -24,7 +25,7 @@ from benchmark.quality.index_rows import check_engine_rows, dense_rows, rows_fro
 from benchmark.quality.layer import LayerInputs, masked_softmax
 from benchmark.quality.metrics import LayerMetrics
 from benchmark.quality.model import LoadedModel, full_attention_layers
-from benchmark.quality.report import markdown_report
+from benchmark.quality.report import NO_POLICY_MODE, markdown_report
 from benchmark.quality.runner import GridSettings, auto_metric_stride, cell_summary, run_grid
 from benchmark.quality.selector_base import (
     SelectorSettings,
@@ -288,7 +289,29 @@ def test_grid_reports_seconds_per_stage():
         assert set(per_forward) == {"total", "rest", *STAGES}
         assert all(per_forward[s] > 0 for s in STAGES), per_forward
         assert per_forward["total"] == pytest.approx(sum(per_forward[s] for s in (*STAGES, "rest")))
-    assert "## Where the time goes" in markdown_report(grid, ["learned", "locality"], [], _report_settings())
+    report = markdown_report(grid, ["learned", "locality"], [], _report_settings())
+    assert "## Where the time goes" in report
+    # No policy mode among the selectors: the gate section says so instead of an empty table.
+    gate = report.split("## Gate", 1)[1].split("##", 1)[0]
+    assert NO_POLICY_MODE in gate and "| mode | verdict |" not in gate
+
+
+def test_an_extra_gate_lands_in_the_report_and_the_json(tmp_path):
+    from benchmark.quality.cli import _report_extra_gate
+    from benchmark.quality.gate import Check
+
+    (tmp_path / "report.md").write_text("# Topology KV quality\n")
+    (tmp_path / "results.json").write_text(json.dumps({"cells": []}))
+    checks = [Check("shared every 2 (ctx 64)", False, "1/8: +1.59%"), Check("shared every 4 (ctx 64)", True, "ok")]
+    _report_extra_gate(tmp_path, "shared_gate", "Shared-scan gate", checks,
+                       lambda cs: "\n".join(f"{'PASS' if c.passed else 'FAIL'}  {c.name}: {c.detail}" for c in cs))
+    assert (tmp_path / "report.md").read_text() == (
+        "# Topology KV quality\n\n## Shared-scan gate\n\n```\n"
+        "FAIL  shared every 2 (ctx 64): 1/8: +1.59%\nPASS  shared every 4 (ctx 64): ok\n```\n")
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert payload["cells"] == [] and payload["shared_gate"] == [
+        {"name": "shared every 2 (ctx 64)", "passed": False, "detail": "1/8: +1.59%"},
+        {"name": "shared every 4 (ctx 64)", "passed": True, "detail": "ok"}]
 
 
 def _report_settings():
