@@ -379,7 +379,6 @@ def test_retry_below_null_retrains_an_undertrained_layer_and_is_off_by_default(c
     proxy on the validation window; with --retry-below-null it gets a second attempt with
     NULL_RETRY_STEPS x the steps at NULL_RETRY_LR x the learning rate, and without the flag
     the run is the first attempt alone, the same one."""
-    import argparse
     import random
 
     from benchmark.indexer import train_cli
@@ -398,9 +397,10 @@ def test_retry_below_null_retrains_an_undertrained_layer_and_is_off_by_default(c
     shape = IndexerProjectionShape(heads=1, head_dim=16, rope_dim=8, hidden_size=64, q_input_size=64)
 
     def run(flag):
-        args = argparse.Namespace(novel="emma", train_contexts=[256], train_windows=[2], copy_segments=0, rows=32,
-                                  seed=0, steps=1, lr=1e-3, batch_windows=2, flag_margin=0.99,
-                                  retry_below_null=flag)
+        # Through the CLI's own parser, so every flag this test does not set takes its default.
+        args = train_cli.parse_args(["--out", "unused.safetensors", "--train-contexts", "256", "--train-windows", "2",
+                                     "--copy-segments", "0", "--rows", "32", "--steps", "1", "--lr", "1e-3",
+                                     "--flag-margin", "0.99"] + (["--retry-below-null"] if flag else []))
         return train_cli.train(args, tiny, corpus, layers, shape, progress=False)
 
     _, rec_on, _ = run(True)
