@@ -479,7 +479,7 @@ def test_a_dead_row_learns_only_with_the_leak():
             loss = raw.loss(m, slope)
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         trajectories[slope] = losses
     assert trajectories[0.0][-1] == trajectories[0.0][0], "plain relu: a dead row never moves"
     assert trajectories[0.1][-1] < 0.5 * trajectories[0.1][0], trajectories[0.1]
