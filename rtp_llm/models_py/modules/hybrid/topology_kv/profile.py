@@ -45,8 +45,9 @@ PROFILE_FORMAT = "rtp_llm.topology_kv_profile"
 PROFILE_VERSION = 1
 ENV_PROFILE = "RTP_LLM_TOPOLOGY_KV_PROFILE"
 ENV_PROFILE_BUDGET = "RTP_LLM_TOPOLOGY_KV_PROFILE_BUDGET"
-# The largest calibrated profile is 0.7 MB (benchmark/profiles/smollm2_135m_merge.json, 30
-# layers x 3 budgets); 16 MiB leaves room for 700 layers x 30 budgets and bounds the read.
+# The largest calibrated profiles are 0.7 MB (benchmark/profiles/smollm2_135m_merge.json and
+# smollm2_135m_trained_merge.json, 30 layers x 3 budgets); 16 MiB leaves room for 700
+# layers x 30 budgets and bounds the read.
 MAX_PROFILE_BYTES = 16 << 20
 # Integers in a profile are layer indices, counts and context lengths: 18 digits fit int64
 # and are far past every one of them. Longer ones are refused by the field that holds them.
