@@ -24,6 +24,9 @@ then sync-bounded (``benchmark/e2e/clock.py``) and the peak memory is the CUDA a
 
     python benchmark/topology_kv_decode_e2e.py --contexts 2048 --batches 1 8 --new-tokens 8 --json a.json
     python benchmark/topology_kv_decode_e2e.py --device cuda --contexts 8192 --batches 1 8 --json gpu.json
+    python benchmark/topology_kv_decode_e2e.py --contexts 8192 --batches 1 8 --variants learned \
+        learned-shared:profile learned-shared:profile+profile \
+        --profile benchmark/profiles/smollm2_135m_trained_merge.json --profile-budget context
     python benchmark/topology_kv_decode_e2e.py --merge a.json b.json --out report/e2e
     bazel run //benchmark:topology_kv_decode_e2e -- --quick
 """
@@ -37,14 +40,22 @@ from typing import List, Optional
 
 import torch
 
-from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, check_output_file, given_flags, shown
+from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, check_output_file, given_flags, is_file, shown
 from benchmark.progress import NO_PROGRESS_HELP
 from benchmark.quality.text import NOVELS
 
 # The command line's own names, and those the tests and the validation report import from here.
 from benchmark.e2e.attention import ATTENTION_NAME  # noqa: F401
 from benchmark.e2e.decode import build_batch, decode_batch, kv_geometry, step_inputs  # noqa: F401
-from benchmark.e2e.indexers import DSA_RATIO, PRESETS, VARIANTS, check_variant, resolve_indexer_shape  # noqa: F401
+from benchmark.e2e.indexers import (  # noqa: F401
+    DSA_RATIO,
+    PRESETS,
+    VARIANTS,
+    check_profile_budget,
+    check_variant,
+    needs_profile,
+    resolve_indexer_shape,
+)
 from benchmark.e2e.layout import Layout, request_lengths, rows_to_slots, slots_of  # noqa: F401
 from benchmark.e2e.policy_counters import format_counter_table  # noqa: F401
 from benchmark.e2e.report import (  # noqa: F401
@@ -78,7 +89,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "sweep the budget (one decode per W, sharing the prefill; the Pareto plot of --merge)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS),
                    help=f"subset of {list(VARIANTS)}, plus shared indexer scans: learned-shared:K (every K-th "
-                        "sparse layer scans, the others reuse its rows) and learned-shared:K+<merge mode>")
+                        "sparse layer scans, the others reuse its rows), learned-shared:L0,L1,... (these layers "
+                        "scan) and learned-shared:<scan>+<merge mode>; with --profile also learned+profile, "
+                        "learned-shared:<scan>+profile and the scan 'profile'")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="a calibrated per-layer profile (docs/profile.md) for the variants named with 'profile': "
+                        "mode 'profile' runs each layer's own entry, scan 'profile' its indexer_share.scanning")
+    p.add_argument("--profile-budget", default="serving",
+                   help="which entry the profile variants run: serving (default: the one nearest W / the "
+                        "profile's longest calibrated context, as the Indexer picks without "
+                        "RTP_LLM_TOPOLOGY_KV_PROFILE_BUDGET), context (nearest W / this run's context, the quality "
+                        "harness's rule) or a budget of the profile such as 1/8 (every W)")
     p.add_argument("--indexer", default="trained", choices=("trained", "proxy"),
                    help="trained: the learned variants rank with the trained indexer (--indexer-checkpoint, default "
                         "the one shipped for the model); proxy: the untrained proxy of --indexer-preset (a null model)")
@@ -130,6 +151,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             check_variant(v)
         except ValueError as err:
             p.error(f"--variants: {err}")
+    with_profile = [v for v in args.variants if needs_profile(v)]
+    if with_profile and args.profile is None and args.merge is None:
+        p.error(f"--variants: {with_profile} need --profile FILE (a calibrated profile, docs/profile.md)")
+    if args.profile is not None and not with_profile:
+        p.error(f"--profile: expected a variant that uses it (learned+profile, learned-shared:<scan>+profile or "
+                f"learned-shared:profile[+mode]) in --variants, got {args.variants}")
     args.variants = ["dense"] + [v for v in args.variants if v != "dense"]  # ratios need the baseline
     return args
 
@@ -145,11 +172,17 @@ def check_flags_before_load(p: argparse.ArgumentParser, args: argparse.Namespace
                 f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use --device cpu")
     if args.novel not in NOVELS:
         p.error(f"--novel: expected one of {list(NOVELS)}, got {shown(args.novel)}")
+    try:
+        check_profile_budget(args.profile_budget)
+    except ValueError as err:
+        p.error(str(err))
     from benchmark.quality.paths import user_path
 
     try:
         if args.model is not None:
             check_gguf("--model", user_path(args.model))
+        if args.profile is not None and not is_file(user_path(args.profile)):
+            raise FlagError(f"--profile: expected a profile file, got {shown(args.profile)} (no such file)")
         if args.json is not None:
             check_output_file("--json", user_path(args.json))
         if args.out is not None:
@@ -220,6 +253,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     shape = result["indexer"]
     print(f"{'indexer' if shape['preset'] == 'trained' else 'untrained proxy indexer'}: {shape['preset']} ({shape['heads']} heads x {shape['dim']} dims, "
           f"{shape['ratio_to_attention']:.3f} of attention's multiply-adds per key)\n")
+    if result.get("profile"):
+        prof = result["profile"]
+        print(f"profile: {prof['file']} ({prof['policy']}; entry rule --profile-budget {prof['budget']}, "
+              f"reference context {prof['reference_context']}; scanning layers {prof['scanning_layers']})\n")
     print(format_table(result["rows"]))
     faults = format_host_faults(result["rows"])
     if faults:

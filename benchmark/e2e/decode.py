@@ -24,7 +24,14 @@ import torch
 
 from benchmark.e2e.attention import PARTS, PLAN_KWARG, StepPlan, dense_mask
 from benchmark.e2e.clock import phase_clock
-from benchmark.e2e.indexers import IndexerShape, ProxyIndexer, TrainedIndexerInputs, make_indexer, share_plan
+from benchmark.e2e.indexers import (
+    E2EProfile,
+    IndexerShape,
+    ProxyIndexer,
+    TrainedIndexerInputs,
+    make_indexer,
+    share_plan,
+)
 from benchmark.e2e.layout import LayerPools, Layout, VariantState, slots_of
 from benchmark.e2e.memory import measure_step_memory, minor_page_faults, tensor_bytes
 from benchmark.e2e.paired import balanced_orders
@@ -114,14 +121,16 @@ class BatchRun:
 
 @torch.no_grad()
 def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variants: Sequence[str], steps: int,
-                next_n: int, width: int, shape: IndexerShape, prefilled=None, trained=None) -> BatchRun:
+                next_n: int, width: int, shape: IndexerShape, prefilled=None, trained=None,
+                profile: Optional[E2EProfile] = None) -> BatchRun:
     """Prefill ``text`` once and lay out ``B`` requests (prefixes of it) for every variant,
     on the model's device (the layout's ``device``).
 
     ``prefilled``: a :func:`prefill_text` result for ``text[:max(context_lens)]`` whose
     logits positions include every ``c_b - 1`` (reused across batch sizes; not modified).
     ``trained``: layer -> trained ``IndexerProjections`` (the learned variants rank with
-    them), or None (the untrained proxy of ``shape``).
+    them), or None (the untrained proxy of ``shape``). ``profile``: the run's
+    :class:`E2EProfile` (the ``profile`` variants need it), or None.
     """
     H, Hkv, D = kv_geometry(model)
     C = max(context_lens)
@@ -143,7 +152,7 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
     in_shared = pos < torch.tensor(layout.shared_lens, dtype=torch.int64, device=dev)[req]
     own_req, own_pos = req[~in_shared], pos[~in_shared]  # each variant's private partial blocks
     sparse = sparse_layers(model)
-    plans = {name: share_plan(name, sparse) for name in variants}
+    plans = {name: share_plan(name, sparse, None if profile is None else profile.profile) for name in variants}
     for layer in attention_layers(model):
         dense_only = layer not in sparse  # a sliding-window layer: no indexer, no indexer keys
         if dense_only:
@@ -172,7 +181,8 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
             if dense_only:
                 continue
             indexer = make_indexer(name, shape, width, layer, dev,
-                                   projections=None if trained is None else trained[layer], share=plans[name])
+                                   projections=None if trained is None else trained[layer], share=plans[name],
+                                   profile=profile, context=C)
             st.indexers[layer] = indexer
             if indexer is None:
                 continue

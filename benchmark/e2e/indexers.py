@@ -24,13 +24,30 @@ Variants, one budget ``W`` (``--budget``):
                          ``indexer_share.scanning``);
 * ``learned-shared:<K | list>+<merge mode>`` the same with every layer's own structure
                          merged in (a sharing layer's drift tracker reads its attention keys).
+
+With ``--profile FILE`` (a calibrated per-layer profile, docs/profile.md), ``profile`` may
+stand for the mode and for the scanning set, as in serving:
+
+* ``learned+profile``    every layer scans; each runs its own profile entry
+                         (``RTP_LLM_TOPOLOGY_KV_PROFILE``; a layer the profile skips
+                         returns the op's rows as they are);
+* ``learned-shared:<K | list | profile>+profile`` shared scans (``profile``: the profile's
+                         ``indexer_share.scanning``, ``RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=profile``)
+                         with each layer's own entry on the rows it gets;
+* ``learned-shared:profile[+<merge mode>]`` the profile's scanning set alone, or with one
+                         mode's default structure on every layer.
+
+Which budget entry a profile variant runs is :class:`E2EProfile`'s rule (``--profile-budget``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from fractions import Fraction
 from typing import Optional, Sequence, Tuple
 
-from benchmark.quality.shared_scans import PROFILE_SCAN, SHARED_PREFIX, SharedName, parse_shared_name
+from benchmark.quality.shared_scans import PROFILE_MODE, SHARED_PREFIX, SharedName, parse_shared_name
 
 import torch
 
@@ -59,6 +76,50 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
 POLICY_MODES = ("topology_sparse_merge", "topology_compress_sparse", "topology_only")
 VARIANTS = ("dense", "learned") + tuple(f"learned+{m}" for m in POLICY_MODES) + ("topology_only_noscan",)
 SHARED_MODES = POLICY_MODES[:2]  # the merge modes: topology_only ignores the learned rows it would share
+PROFILE_VARIANT = f"learned+{PROFILE_MODE}"  # every layer scans and runs its own profile entry
+# --profile-budget: serving's rule (W / the profile's reference context), the harness's
+# (W / the run's context), or one of the profile's budgets for every W.
+PROFILE_BUDGET_RULES = ("serving", "context")
+_BUDGET_TEXT = re.compile(r"[0-9]{1,9}/[0-9]{1,9}")
+
+
+@dataclasses.dataclass(frozen=True)
+class E2EProfile:
+    """The run's profile (a loaded ``TopologyKVProfile``) and its budget rule.
+
+    ``budget``: ``serving`` picks the entry nearest ``W / reference context`` (the
+    profile's longest calibrated context), as the ``Indexer`` does without
+    ``RTP_LLM_TOPOLOGY_KV_PROFILE_BUDGET``; ``context`` the one nearest ``W / C`` (``C``
+    the run's context: the quality harness's rule, the entry calibrated for this share of
+    the row); a budget such as ``1/8`` that entry at every ``W`` (the override).
+    """
+
+    profile: object
+    budget: str = "serving"
+
+    def __post_init__(self) -> None:
+        check_profile_budget(self.budget)
+        if self.budget not in PROFILE_BUDGET_RULES and Fraction(self.budget) not in self.profile.budgets:
+            raise ValueError(f"--profile-budget: expected serving, context or one of the budgets of "
+                             f"{self.profile.path} [{', '.join(str(b) for b in self.profile.budgets)}], "
+                             f"got {self.budget!r}")
+
+    def entry(self, width: int, context: int) -> Fraction:
+        """The budget entry a profile variant runs at top-k width ``width`` and context ``context``."""
+        if self.budget == "serving":
+            return self.profile.pick_budget(width)
+        if self.budget == "context":
+            return self.profile.nearest_budget(Fraction(width, context))
+        return self.profile.pick_budget(width, Fraction(self.budget))
+
+
+def check_profile_budget(text: str) -> None:
+    """``ValueError`` unless ``text`` is ``serving``, ``context`` or a fraction ``N/M`` (M > 0)."""
+    if text in PROFILE_BUDGET_RULES:
+        return
+    if not isinstance(text, str) or not _BUDGET_TEXT.fullmatch(text) or int(text.split("/")[1]) == 0 or \
+            int(text.split("/")[0]) == 0:
+        raise ValueError(f"--profile-budget: expected serving, context or a budget N/M (e.g. 1/8), got {text!r}")
 
 
 def parse_shared(variant: str) -> Optional[SharedName]:
@@ -66,30 +127,46 @@ def parse_shared(variant: str) -> Optional[SharedName]:
     for any other name; ``ValueError`` for a malformed shared one (naming what is expected)."""
     if not variant.startswith(SHARED_PREFIX):
         return None
-    shared = parse_shared_name(variant, modes=SHARED_MODES, lists=True, where=variant)
-    if shared.scan == PROFILE_SCAN:
-        raise ValueError(f"{variant}: the e2e takes no profile; write its scanning layers as "
-                         f"{SHARED_PREFIX}L0,L1,... (the profile's indexer_share.scanning)")
-    return shared
+    return parse_shared_name(variant, modes=SHARED_MODES + (PROFILE_MODE,), lists=True, where=variant)
 
 
 def check_variant(variant: str) -> None:
-    """``ValueError`` unless ``variant`` is one of :data:`VARIANTS` or a shared variant."""
-    if variant not in VARIANTS and parse_shared(variant) is None:
-        raise ValueError(f"unknown variant {variant!r}; expected one of {list(VARIANTS)} or "
-                         f"{SHARED_PREFIX}<K | L0,L1,...>[+mode] (mode one of {list(SHARED_MODES)})")
+    """``ValueError`` unless ``variant`` is one of :data:`VARIANTS`, :data:`PROFILE_VARIANT`
+    or a shared variant."""
+    if variant not in VARIANTS and variant != PROFILE_VARIANT and parse_shared(variant) is None:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {list(VARIANTS) + [PROFILE_VARIANT]} or "
+                         f"{SHARED_PREFIX}<K | L0,L1,... | profile>[+mode] (mode one of "
+                         f"{list(SHARED_MODES) + [PROFILE_MODE]})")
+
+
+def needs_profile(variant: str) -> bool:
+    """Whether the variant reads ``--profile`` (its mode or its scanning set is ``profile``)."""
+    shared = parse_shared(variant)
+    return variant == PROFILE_VARIANT or (shared is not None and shared.needs_profile)
+
+
+def runs_profile_entries(variant: str) -> bool:
+    """Whether each layer of the variant runs its own profile entry (mode ``profile``)."""
+    shared = parse_shared(variant)
+    return variant == PROFILE_VARIANT or (shared is not None and shared.mode == PROFILE_MODE)
 
 
 def has_structure(variant: str) -> bool:
     """Whether the variant runs the topology policy (every variant but dense, learned and
-    the shared ones without a mode)."""
-    return variant_policy(variant) is not None
+    the shared ones without a mode; a ``profile`` mode counts, even where its entries keep
+    no structure at the budget run)."""
+    return runs_profile_entries(variant) or variant_policy(variant) is not None
 
 
-def share_plan(variant: str, sparse_layers: Sequence[int]) -> Optional[IndexerSharePlan]:
-    """The variant's :class:`IndexerSharePlan` over the model's sparse layers, or None."""
+def share_plan(variant: str, sparse_layers: Sequence[int], profile=None) -> Optional[IndexerSharePlan]:
+    """The variant's :class:`IndexerSharePlan` over the model's sparse layers, or None;
+    ``profile``: the run's ``TopologyKVProfile`` (read for the ``profile`` scanning set)."""
     shared = parse_shared(variant)
-    return None if shared is None else IndexerSharePlan.parse(shared.scan, sparse_layers, where=variant)
+    if shared is None:
+        return None
+    return IndexerSharePlan.parse(shared.scan, sparse_layers, where=variant,
+                                  profile_scanning=None if profile is None else profile.scanning_layers,
+                                  profile_path=None if profile is None else str(profile.path))
 
 
 class TrainedIndexerInputs:
@@ -141,8 +218,10 @@ class TimedIndexer(Indexer):
         return out
 
 
-def variant_policy(variant: str) -> Optional[TopologyKVPolicyConfig]:
-    """The policy config a variant applies after (or instead of) the indexer."""
+def variant_policy(variant: str, profile=None) -> Optional[TopologyKVPolicyConfig]:
+    """The policy config a variant applies after (or instead of) the indexer; a variant
+    of mode ``profile`` runs the ``profile``'s mode (its layers' entries applied by the
+    ``Indexer``) and needs it."""
     if variant in ("dense", "learned"):
         return None
     shared = parse_shared(variant)
@@ -152,15 +231,22 @@ def variant_policy(variant: str) -> Optional[TopologyKVPolicyConfig]:
         mode = shared.mode
     else:
         mode = "topology_only" if variant == "topology_only_noscan" else variant.split("+", 1)[1]
+    if mode == PROFILE_MODE:
+        if profile is None:
+            raise ValueError(f"{variant}: expected a profile (--profile FILE), got none")
+        mode = profile.policy.value
     # FALLBACK_DISABLED: no host sync, as a CUDA-graph serving path would run it.
     return TopologyKVPolicyConfig(policy=mode, coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED)
 
 
 def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
                  device: torch.device, projections=None,
-                 share: Optional[IndexerSharePlan] = None) -> Optional[TimedIndexer]:
+                 share: Optional[IndexerSharePlan] = None, profile: Optional[E2EProfile] = None,
+                 context: Optional[int] = None) -> Optional[TimedIndexer]:
     """The variant's ``Indexer`` for one layer (None for dense); ``share``: the variant's
-    :func:`share_plan` (a sharing layer then reuses its scanning layer's rows).
+    :func:`share_plan` (a sharing layer then reuses its scanning layer's rows); ``profile``
+    and ``context`` (the run's longest row): the profile a mode-``profile`` variant runs,
+    at the entry :meth:`E2EProfile.entry` picks.
 
     Built with ``device=`` (the run's): the policy backend is resolved at construction
     (``auto``: the fused C++ kernel on the CPU, Triton on CUDA), so the CPU kernel compiles
@@ -168,9 +254,14 @@ def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
     """
     if variant == "dense":
         return None
-    policy = variant_policy(variant)
+    policy = variant_policy(variant, None if profile is None else profile.profile)
     settings = IndexerTopologySettings() if policy is None else IndexerTopologySettings(policy=policy)
+    entries = runs_profile_entries(variant)
+    if entries and context is None:
+        raise ValueError(f"{variant}: expected the run's context with a profile, got none")
     return TimedIndexer(shape.heads, shape.dim, width, DEFAULT_BLOCK_SIZE, layer_idx=layer, fp8_emulation=False,
                         topology=settings, device=device, scan=variant != "topology_only_noscan",
-                        projections=projections, share=share)
+                        projections=projections, share=share,
+                        topology_profile=profile.profile if entries else None,
+                        topology_profile_budget=profile.entry(width, context) if entries else None)
 

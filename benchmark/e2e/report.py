@@ -272,7 +272,8 @@ def format_targets(items: List[Row]) -> str:
 def _md_row(r: Row) -> List[str]:
     mib = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.0f}"
     parts = " / ".join(f"{r[f'{p}_ms']:.1f}" for p in PARTS)
-    return [str(r["context"]), str(r["batch"]), str(r["rows_per_request"]), r["variant"],
+    variant = r["variant"] + (f" (entry {r['profile_budget']})" if r.get("profile_budget") else "")
+    return [str(r["context"]), str(r["batch"]), str(r["rows_per_request"]), variant,
             f"{r['step_ms_median']:.1f} ({r['step_ms_p90']:.1f})", f"{r['tokens_per_s']:.1f}",
             f"{r['speedup_vs_dense']:.2f}", parts, f"{r['kv_bytes_vs_dense']:.2f}",
             f"{r['top1_agreement']:.3f}", f"{r['mean_kl']:.4f}", mib]

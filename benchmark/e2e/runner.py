@@ -28,8 +28,15 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from benchmark.e2e.attention import ATTENTION_NAME, PARTS, register
-from benchmark.e2e.decode import BatchRun, build_batch, decode_batch, kv_geometry, prefill_text
-from benchmark.e2e.indexers import DSA_RATIO, IndexerShape, resolve_indexer_shape
+from benchmark.e2e.decode import BatchRun, build_batch, decode_batch, kv_geometry, prefill_text, sparse_layers
+from benchmark.e2e.indexers import (
+    DSA_RATIO,
+    E2EProfile,
+    IndexerShape,
+    resolve_indexer_shape,
+    runs_profile_entries,
+    share_plan,
+)
 from benchmark.e2e.layout import request_lengths
 from benchmark.e2e.memory import memory_counter
 from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY, sum_totals
@@ -142,15 +149,21 @@ def prompt_tokens(loaded, novel: str, context: int, data_dir) -> List[int]:
 
 def run_one(model, text: Sequence[int], context_lens: Sequence[int], variants: Sequence[str], steps: int,
             next_n: int, width: int, shape: IndexerShape, warmup: int, on_step=None, log=None, prefilled=None,
-            trained=None):
-    """Prefill (unless ``prefilled``), lay out, decode and summarize one (context, batch, mode)."""
+            trained=None, profile=None):
+    """Prefill (unless ``prefilled``), lay out, decode and summarize one (context, batch, mode);
+    ``profile``: the run's :class:`E2EProfile` or None (each row of a variant that runs
+    profile entries records the entry as ``profile_budget``)."""
     _, Hkv, D = kv_geometry(model)
-    run = build_batch(model, text, context_lens, variants, steps, next_n, width, shape, prefilled, trained)
+    run = build_batch(model, text, context_lens, variants, steps, next_n, width, shape, prefilled, trained,
+                      profile)
     if log:
         log(f"[e2e] context {max(context_lens)} batch {len(context_lens)} rows/request {next_n + 1}: "
             f"dense prefill {run.prefill_s:.1f} s")
     decoded = decode_batch(model, run, steps, on_step, measure_memory_step=0, first_timed=warmup)
     rows = [summarize(v, run, decoded[v], Hkv, D, warmup, run.states[v].own_bytes(run.pools)) for v in variants]
+    for row in rows:
+        if runs_profile_entries(row["variant"]):
+            row["profile_budget"] = str(profile.entry(width, max(context_lens)))
     dense = rows[0]
     for row in rows:
         row["speedup_vs_dense"] = dense["step_ms_median"] / row["step_ms_median"]
@@ -177,6 +190,7 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
     else:
         shape = resolve_indexer_shape(args.indexer_preset, args.indexer_heads, args.indexer_dim, H, Hkv, D)
         what = f"untrained proxy indexer {shape.preset} (a null model: its rows are mostly decided by ties)"
+    profile = load_profile(args, loaded)
     log(f"[e2e] {what}: {shape.heads} heads x {shape.dim} dims = {shape.macs_per_key} "
         f"multiply-adds per key, {shape.ratio_to_attention:.3f} of attention's {shape.attention_macs_per_key} "
         f"(DSA: {DSA_RATIO:.3f})")
@@ -201,12 +215,17 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
             bar.set_postfix_str(f"context {context} batch {batch} W {width}")
 
         rows += run_one(model, text, lens, args.variants, args.new_tokens, args.next_n, width, shape,
-                        args.warmup, on_step, log, prefilled[1], trained)
+                        args.warmup, on_step, log, prefilled[1], trained, profile)
     bar.close()
     return {
         "environment": environment(device),
         "model": loaded.describe(),
         "indexer": {**shape.describe(), "kind": args.indexer, "checkpoint": checkpoint},
+        "profile": None if profile is None else {
+            "file": str(profile.profile.path), "policy": profile.profile.policy.value, "budget": profile.budget,
+            "reference_context": profile.profile.reference_context,
+            "scanning_layers": None if profile.profile.scanning_layers is None else list(
+                profile.profile.scanning_layers)},
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "merge", "out")},
         "rows": rows,
         "targets": targets(rows),
@@ -214,10 +233,33 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
     }
 
 
+def load_profile(args: argparse.Namespace, loaded) -> Optional[E2EProfile]:
+    """``--profile`` checked against the loaded model, with its ``--profile-budget`` rule;
+    None without the flag (``SystemExit`` naming the flag for a profile of another model, a
+    budget it lacks, or a ``profile`` scanning set it does not have)."""
+    if getattr(args, "profile", None) is None:
+        return None
+    from benchmark.quality.calibration import model_fingerprint
+    from benchmark.quality.paths import user_path
+    from rtp_llm.models_py.modules.hybrid.topology_kv.profile import load_topology_profile
+
+    try:
+        loaded_profile = load_topology_profile(user_path(args.profile), model_fingerprint=model_fingerprint(loaded))
+        profile = E2EProfile(loaded_profile, args.profile_budget)
+    except ValueError as exc:
+        raise SystemExit(f"error: --profile: {exc}") from None
+    sparse = sparse_layers(loaded.model)
+    for v in args.variants:
+        try:
+            share_plan(v, sparse, loaded_profile)
+        except ValueError as exc:
+            raise SystemExit(f"error: --variants: {exc}") from None
+    return profile
+
+
 def load_trained(args: argparse.Namespace, loaded, H: int, D: int, device: torch.device):
     """``(layer -> projections on device, checkpoint path, IndexerShape)``: ``--indexer-checkpoint``
     or the shipped one."""
-    from benchmark.e2e.decode import sparse_layers
     from benchmark.e2e.indexers import trained_indexer_shape
     from benchmark.indexer.checkpoints import load_trained_indexer, resolve_checkpoint
     from benchmark.quality.paths import user_path

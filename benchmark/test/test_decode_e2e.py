@@ -491,8 +491,9 @@ def test_shared_variant_names_are_checked(capsys):
         assert (f"--variants: {bad}: expected learned-shared:<scan> or learned-shared:<scan>+<mode> with <scan> "
                 "K (K >= 1), profile or a comma list of scanning layers") in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        e2e.parse_args(["--variants", "learned-shared:profile"])
-    assert "the e2e takes no profile; write its scanning layers as learned-shared:L0,L1" in capsys.readouterr().err
+        e2e.parse_args(["--variants", "learned-shared:profile", "learned+profile"])
+    assert ("--variants: ['learned-shared:profile', 'learned+profile'] need --profile FILE"
+            in capsys.readouterr().err)
     args = e2e.parse_args(["--variants", "learned", "learned-shared:4+topology_compress_sparse",
                            "learned-shared:0,1+topology_sparse_merge"])
     assert args.variants == ["dense", "learned", "learned-shared:4+topology_compress_sparse",
@@ -596,3 +597,153 @@ def test_sliding_window_layers_stay_dense_and_need_no_indexer(tiny_gemma3, index
                 assert max(max(k) for k in out[name]["kl"]) < 1e-5, name
         dense_step = out["dense"]["steps"][0]
         assert dense_step["dense_read_tokens"] == 2 * sum(n + 1 for n in lens) + 2 * sum(min(n + 1, WINDOW) for n in lens)
+
+
+# ----------------------------------------------------------------------------- profile variants
+
+SKIP = {"max_structural_fraction": 0, "sink_tokens": 0, "local_blocks": 0, "witness_blocks": 0}
+SINKS_LOCAL = {"max_structural_fraction": 0.5, "sink_tokens": 4, "local_blocks": 1, "witness_blocks": 0}
+
+
+def _profile_data(fingerprint, layers, scanning=None, budgets=("1/4", "1/2"), contexts=(CONTEXT,)):
+    data = {"format": "rtp_llm.topology_kv_profile", "version": 1, "model": fingerprint.to_json(),
+            "text": {"name": "t", "sha256": "0"}, "command": "test",
+            "settings": {"policy": "topology_sparse_merge", "block_size": 64, "contexts": list(contexts),
+                         "budgets": list(budgets)},
+            "layers": {str(i): entries for i, entries in layers.items()}}
+    if scanning is not None:
+        data["indexer_share"] = {"scanning": list(scanning)}
+    return data
+
+
+def _profile(loaded, layers, **kwargs):
+    from benchmark.quality.calibration import model_fingerprint
+    from rtp_llm.models_py.modules.hybrid.topology_kv.profile import parse_topology_profile
+
+    fingerprint = model_fingerprint(loaded)
+    return parse_topology_profile(_profile_data(fingerprint, layers, **kwargs), model_fingerprint=fingerprint)
+
+
+def test_the_profile_budget_rules_pick_the_entry(loaded):
+    """serving: nearest W / the profile's longest context; context: nearest W / the run's
+    context; a budget: that entry (hand-computed, nearest in log scale)."""
+    from fractions import Fraction
+
+    from benchmark.e2e.indexers import E2EProfile
+
+    both = {"1/16": SKIP, "1/8": SKIP, "1/4": SKIP}
+    profile = _profile(loaded, {0: both, 1: both}, budgets=("1/16", "1/8", "1/4"), contexts=(2048, 4096))
+    assert E2EProfile(profile, "serving").entry(1024, 8192) == Fraction(1, 4)  # 1024 / 4096
+    assert E2EProfile(profile, "context").entry(1024, 8192) == Fraction(1, 8)  # 1024 / 8192
+    assert E2EProfile(profile, "context").entry(256, 8192) == Fraction(1, 16)  # 1/32: nearest 1/16
+    assert E2EProfile(profile, "context").entry(3, 32) == Fraction(1, 8)  # 3/32: 1.33x from 1/8, 1.5x from 1/16
+    assert E2EProfile(profile, "1/16").entry(2048, 8192) == Fraction(1, 16)
+    with pytest.raises(ValueError, match=r"--profile-budget: expected serving, context or one of the budgets of "
+                                         r".*\[1/16, 1/8, 1/4\], got '1/32'"):
+        E2EProfile(profile, "1/32")
+    for bad in ("1/0", "0/4", "eighth", "1/8 ", ""):
+        with pytest.raises(ValueError, match="--profile-budget: expected serving, context or a budget N/M"):
+            E2EProfile(profile, bad)
+
+
+def test_profile_flags_are_checked_before_the_model_loads(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--variants", "learned+profile", "--profile", str(tmp_path / "missing.json")])
+    assert "--profile: expected a profile file, got" in capsys.readouterr().err
+    (tmp_path / "p.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--variants", "learned", "--profile", str(tmp_path / "p.json")])
+    assert "--profile: expected a variant that uses it" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--variants", "learned+profile", "--profile", str(tmp_path / "p.json"),
+                        "--profile-budget", "half"])
+    assert "--profile-budget: expected serving, context or a budget N/M (e.g. 1/8), got 'half'" in (
+        capsys.readouterr().err)
+    args = e2e.parse_args(["--variants", "learned+profile", "learned-shared:profile+profile",
+                           "learned-shared:2+profile", "--profile", str(tmp_path / "p.json")])
+    assert args.variants[1:] == ["learned+profile", "learned-shared:profile+profile", "learned-shared:2+profile"]
+    assert args.profile_budget == "serving"
+
+
+def test_load_profile_checks_the_model_and_the_scanning_set(loaded, tmp_path):
+    import argparse
+    import json
+
+    from benchmark.quality.calibration import model_fingerprint
+    from rtp_llm.models_py.modules.hybrid.topology_kv.profile import ModelFingerprint
+
+    entries = {"1/4": SKIP, "1/2": SKIP}
+    mine = model_fingerprint(loaded)
+    path = tmp_path / "p.json"
+
+    def load(data, variants, budget="serving"):
+        path.write_text(json.dumps(data))
+        return runner.load_profile(argparse.Namespace(profile=str(path), profile_budget=budget, variants=variants),
+                                   loaded)
+
+    got = load(_profile_data(mine, {0: entries, 1: entries}), ["dense", "learned+profile"], "context")
+    assert got.budget == "context" and got.profile.layers[1]
+    other = ModelFingerprint("11" * 32, "other.gguf", NUM_LAYERS, (0, 1))
+    with pytest.raises(SystemExit, match="error: --profile: .*"):
+        load(_profile_data(other, {0: entries, 1: entries}), ["learned+profile"])
+    with pytest.raises(SystemExit, match="error: --variants: learned-shared:profile=profile: the profile .* has no "
+                                         "indexer_share.scanning"):
+        load(_profile_data(mine, {0: entries, 1: entries}), ["learned-shared:profile"])
+    with pytest.raises(SystemExit, match=r"error: --profile: --profile-budget: expected serving, context or one of "
+                                         r"the budgets"):
+        load(_profile_data(mine, {0: entries, 1: entries}), ["learned+profile"], "1/8")
+    assert runner.load_profile(argparse.Namespace(profile=None, variants=["learned"]), loaded) is None
+
+
+def test_profile_variants_run_each_layers_entry(loaded, text, shape):
+    """A profile that skips every layer decodes exactly as learned (and its shared form as
+    the same scanning set without it); one that keeps structure in layer 1 only enables
+    the policy there, with that entry's components; the profile's scanning set is the
+    shared plan; a budget covering the rows still equals dense."""
+    from benchmark.e2e.indexers import E2EProfile
+
+    lens = [CONTEXT, CONTEXT - 20]
+    width = 64  # 64 / 160: nearest 1/2 (log scale: 0.4 against 1/4 and 1/2)
+    skip_all = E2EProfile(_profile(loaded, {0: {"1/4": SKIP, "1/2": SKIP}, 1: {"1/4": SKIP, "1/2": SKIP}},
+                                   scanning=(0,)), "context")
+    variants = ["dense", "learned", "learned+profile", "learned-shared:2", "learned-shared:profile",
+                "learned-shared:profile+profile"]
+    run = e2e.build_batch(loaded.model, text, lens, variants, 3, 0, width, shape, profile=skip_all)
+    out = e2e.decode_batch(loaded.model, run, 3)
+    assert out["learned+profile"]["kl"] == out["learned"]["kl"]
+    assert out["learned-shared:profile"]["kl"] == out["learned-shared:2"]["kl"]
+    assert out["learned-shared:profile+profile"]["kl"] == out["learned-shared:2"]["kl"]
+    assert [run.states["learned-shared:profile"].indexers[x].shares_rows_of for x in range(NUM_LAYERS)] == [None, 0]
+    assert not any(run.states["learned+profile"].indexers[x].topology.enabled for x in range(NUM_LAYERS))
+
+    layer1 = E2EProfile(_profile(loaded, {0: {"1/4": SKIP, "1/2": SKIP}, 1: {"1/4": SKIP, "1/2": SINKS_LOCAL}}),
+                        "context")
+    run = e2e.build_batch(loaded.model, text, lens, ["dense", "learned+profile"], 2, 0, width, shape, profile=layer1)
+    idx = run.states["learned+profile"].indexers
+    assert not idx[0].topology.enabled and idx[1].topology.enabled
+    assert (idx[1].topology.policy.sink_tokens, idx[1].topology.policy.local_blocks) == (4, 1)
+    assert idx[1].topology.policy.max_structural_fraction == 0.5
+    # The 1/4 entry (the override) skips layer 1 too.
+    run = e2e.build_batch(loaded.model, text, lens, ["dense", "learned+profile"], 2, 0, width, shape,
+                          profile=E2EProfile(layer1.profile, "1/4"))
+    assert not run.states["learned+profile"].indexers[1].topology.enabled
+    _, full = _run_profile(loaded, text, shape, layer1)
+    assert full["learned+profile"]["argmax"] == full["dense"]["argmax"]
+    assert max(max(step) for step in full["learned+profile"]["kl"]) < 1e-4
+
+
+def _run_profile(loaded, text, shape, profile):
+    lens = e2e.request_lengths(CONTEXT, 2, 0.25)
+    width = CONTEXT + NEW_TOKENS + 1
+    run = e2e.build_batch(loaded.model, text, lens, ["dense", "learned+profile"], NEW_TOKENS, 0, width, shape,
+                          profile=profile)
+    return run, e2e.decode_batch(loaded.model, run, NEW_TOKENS)
+
+
+def test_a_profile_variant_counts_as_structure_in_the_targets():
+    from benchmark.e2e.indexers import has_structure, needs_profile, runs_profile_entries
+
+    assert has_structure("learned+profile") and has_structure("learned-shared:profile+profile")
+    assert not has_structure("learned-shared:profile") and needs_profile("learned-shared:profile")
+    assert runs_profile_entries("learned-shared:3+profile") and not runs_profile_entries("learned-shared:profile")
+    assert not needs_profile("learned-shared:3+topology_sparse_merge")

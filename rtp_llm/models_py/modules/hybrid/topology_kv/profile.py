@@ -205,7 +205,14 @@ class TopologyKVProfile:
             return value
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
             raise ValueError(f"width: expected an int >= 1 (the top-k width W), got {width!r}")
-        target = Fraction(width, self.reference_context)
+        return self.nearest_budget(Fraction(width, self.reference_context))
+
+    def nearest_budget(self, target: Fraction) -> Fraction:
+        """The calibrated budget nearest to the fraction ``target`` in log scale, the smaller
+        on a tie (:meth:`pick_budget`'s rule; the quality harness and the end-to-end
+        benchmark's ``--profile-budget context`` apply it to ``W / context``)."""
+        if not isinstance(target, Fraction) or target <= 0:
+            raise ValueError(f"target: expected a Fraction > 0, got {target!r}")
         # max(b / t, t / b) is exp|log b - log t|, in exact arithmetic (ties are real ties).
         return min(self.budgets, key=lambda b: (max(b / target, target / b), b))
 
