@@ -684,8 +684,10 @@ def test_load_profile_checks_the_model_and_the_scanning_set(loaded, tmp_path):
     got = load(_profile_data(mine, {0: entries, 1: entries}), ["dense", "learned+profile"], "context")
     assert got.budget == "context" and got.profile.layers[1]
     other = ModelFingerprint("11" * 32, "other.gguf", NUM_LAYERS, (0, 1))
-    with pytest.raises(SystemExit, match="error: --profile: .*"):
+    with pytest.raises(SystemExit,
+                       match="error: --profile: .*the profile was made for .*other.gguf.*but this model is"):
         load(_profile_data(other, {0: entries, 1: entries}), ["learned+profile"])
+    assert json.loads(path.read_text())["model"]["name"] == "other.gguf"  # the file is left as it was
     with pytest.raises(SystemExit, match="error: --variants: learned-shared:profile=profile: the profile .* has no "
                                          "indexer_share.scanning"):
         load(_profile_data(mine, {0: entries, 1: entries}), ["learned-shared:profile"])
