@@ -10,7 +10,8 @@ Shape presets (``--shape``), for a model with ``H`` query heads of ``D`` dims:
   the comparison at equal cost).
 * ``HxD``: any explicit shape, e.g. ``4x64``.
 
-RoPE covers the first half of the head dims (DeepSeek-V3.2: 64 of 128).
+RoPE covers the first half of the head dims (DeepSeek-V3.2: 64 of 128) unless ``--rope-dim``
+says otherwise.
 
 Shipped checkpoints live in ``benchmark/trained_indexers/`` (the command that made each is
 recorded in its metadata and in that folder's README); :func:`find_shipped_checkpoint`
@@ -43,8 +44,12 @@ def parse_shape(text: str) -> str:
 
 
 def resolve_shape(preset: str, *, heads: int, head_dim: int, hidden_size: int,
-                  rope_theta: float) -> IndexerProjectionShape:
-    """The projection shape of ``preset`` for a model with ``heads`` x ``head_dim`` attention."""
+                  rope_theta: float, rope_dim: Optional[int] = None) -> IndexerProjectionShape:
+    """The projection shape of ``preset`` for a model with ``heads`` x ``head_dim`` attention.
+
+    rope_dim : the leading dims that carry RoPE; None: half the indexer's head dims
+    (DeepSeek-V3.2's 64 of 128). ValueError if it is odd or exceeds the head dims.
+    """
     if preset == "dsa-ratio":
         dim = min(128, head_dim)
         h = max(1, round(heads * head_dim / DSA_COST_RATIO / dim))
@@ -52,7 +57,7 @@ def resolve_shape(preset: str, *, heads: int, head_dim: int, hidden_size: int,
         h, dim = heads, head_dim
     else:
         h, dim = (int(x) for x in parse_shape(preset).split("x"))
-    rope = (dim // 2) & ~1  # even
+    rope = (dim // 2) & ~1 if rope_dim is None else rope_dim  # default: even
     return IndexerProjectionShape(heads=h, head_dim=dim, rope_dim=rope, hidden_size=hidden_size,
                                   q_input_size=hidden_size, rope_theta=float(rope_theta))
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -151,22 +151,28 @@ def train_layer(
     settings: DistillSettings,
     seed: int,
     on_step: Optional[Callable[[int, float], None]] = None,
+    init: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> Tuple[IndexerProjections, List[float]]:
     """Train one layer's projections on ``samples``; returns the module and the loss per step.
 
-    Seeded: the same samples, settings and seed give the same weights (the initialisation
-    and the window order come from ``torch.Generator``s seeded with ``seed``, never the
-    global stream).
+    init : a state dict to start from (e.g. :func:`benchmark.indexer.warm_start.attention_warm_start`),
+        or None for the random start
+
+    Seeded: the same samples, settings and seed give the same weights (the random
+    initialisation and the window order come from ``torch.Generator``s seeded with
+    ``seed``, never the global stream).
     """
     if not samples:
         raise ValueError("samples: expected at least one training window")
     targets = [_TrainingTarget(s) for s in samples]
-    init = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
     module = IndexerProjections(shape)
     with torch.no_grad():
         for lin in (module.wq_b, module.wk, module.weights_proj):
             bound = 1.0 / math.sqrt(lin.in_features)  # nn.Linear's default range, from our generator
-            lin.weight.uniform_(-bound, bound, generator=init)
+            lin.weight.uniform_(-bound, bound, generator=gen)
+    if init is not None:
+        module.load_state_dict(init)  # strict: every parameter, each of the module's shape
     opt = torch.optim.AdamW(module.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     order = torch.Generator().manual_seed(seed + 1)
     losses: List[float] = []

@@ -25,6 +25,10 @@ What a run does (defaults in brackets):
    rate); off by default, so the shipped checkpoints' commands reproduce them.
    ``--dead-slope`` [0] passes that share of relu's gradient below 0 in training
    (:func:`benchmark.indexer.distill.leaky_backward_relu`); the score stays DSA's.
+   ``--init`` [random] ``attention`` starts each layer from its attention's own q/k
+   projections instead (``--shape proxy-cost`` and one KV head;
+   :mod:`benchmark.indexer.warm_start`); ``--rope-dim`` [half the head dims] sets how
+   many leading q/k dims carry RoPE (the head dims: the model's own layout).
 4. Writes the checkpoint (bf16 safetensors with the model's and the text's sha256, the
    shape, the steps per layer and this command line).
 5. Evaluates on held-out windows of the training text and of another text [Pride and
@@ -75,6 +79,7 @@ FIRST_TRAIN_ROW = 16  # rows shorter than this see too few keys to teach anythin
 NULL_RETRY_STEPS = 4
 NULL_RETRY_LR = 3.0
 NULL_MODELS = ("locality", "proxy-pca")
+INITS = ("random", "attention")
 
 
 def _int_list(text: str) -> List[int]:
@@ -95,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evaluate", default=None, metavar="FILE", help="evaluate this checkpoint instead of training")
     p.add_argument("--report-dir", default=None, help="folder for recall.json, recall.md and recall.png")
     p.add_argument("--shape", default="dsa-ratio", help="dsa-ratio (default), proxy-cost or HxD (e.g. 1x64)")
+    p.add_argument("--rope-dim", type=int, default=None,
+                   help="leading q/k dims that carry RoPE (default: half the head dims, DSA's 64 of 128)")
+    p.add_argument("--init", choices=INITS, default="random",
+                   help="random (default: DSA's warm-up from scratch) or attention: start from the layer's own q/k "
+                        "projections (needs --shape proxy-cost and a model with one KV head; "
+                        "benchmark/indexer/warm_start.py)")
     p.add_argument("--novel", default="emma", help="training text (an Austen novel; default emma)")
     p.add_argument("--eval-novel", default="prideprejudice", help="the other evaluation text (default prideprejudice)")
     p.add_argument("--train-contexts", type=_int_list, default=list(DEFAULT_TRAIN_CONTEXTS),
@@ -164,6 +175,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--lr: expected > 0, got {args.lr}")
     if not 0 <= args.dead_slope <= 1:
         p.error(f"--dead-slope: expected in [0, 1], got {args.dead_slope}")
+    if args.rope_dim is not None and (args.rope_dim < 0 or args.rope_dim % 2):
+        p.error(f"--rope-dim: expected an even int >= 0, got {args.rope_dim}")
+    if args.init == "attention" and args.evaluate is not None:
+        p.error("--init: applies to training, not to --evaluate")
     if not 0 < args.flag_margin < 1:
         p.error(f"--flag-margin: expected in (0, 1), got {args.flag_margin}")
     if (args.out is None) == (args.evaluate is None):
@@ -260,6 +275,13 @@ def train(args, lm, corpus, layers, shape, progress: bool):
     bar = _bar(len(layers) * args.steps, "train", not progress)
     for layer in layers:
         layer_samples = [s[layer] for s in samples]
+        init = None
+        if args.init == "attention":
+            from benchmark.indexer.warm_start import attention_warm_start
+            from benchmark.quality.model import layer_attention
+
+            init = attention_warm_start(layer_attention(lm.model, layer), shape,
+                                        torch.cat([s.hidden for s in layer_samples]))
         nulls = ({m: fn for m, fn in default_methods(None, True).items() if m in NULL_MODELS}
                  if args.retry_below_null else {})
         null_recall = layer_recall([val[layer]], nulls, val_ctx) if nulls else {}  # the same for every attempt
@@ -268,7 +290,8 @@ def train(args, lm, corpus, layers, shape, progress: bool):
             start = time.perf_counter()
             module, losses = train_layer(
                 shape, layer_samples, settings, seed,
-                on_step=lambda step, loss: (bar.update(), bar.set_postfix_str(f"layer {layer} loss {loss:.3f}")))
+                on_step=lambda step, loss: (bar.update(), bar.set_postfix_str(f"layer {layer} loss {loss:.3f}")),
+                init=init)
             round_to_stored_dtype_(module)
             r = layer_recall([val[layer]], {"oracle": None, "trained": trained_scores(module)}, val_ctx)
             below = sorted(m for m, by_budget in null_recall.items()
@@ -508,8 +531,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         layers = sorted(set(args.layers))
     cfg = lm.model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    shape = resolve_shape(args.shape, heads=cfg.num_attention_heads, head_dim=head_dim,
-                          hidden_size=cfg.hidden_size, rope_theta=model_rope_theta(cfg))
+    try:
+        shape = resolve_shape(args.shape, heads=cfg.num_attention_heads, head_dim=head_dim,
+                              hidden_size=cfg.hidden_size, rope_theta=model_rope_theta(cfg), rope_dim=args.rope_dim)
+    except ValueError as err:
+        print(f"error: --rope-dim: {err}", file=sys.stderr)
+        return 2
+    if args.init == "attention":  # before minutes of capture
+        from benchmark.indexer.warm_start import check_warm_start
+        from benchmark.quality.model import layer_attention
+
+        try:
+            for layer in layers:
+                check_warm_start(layer_attention(lm.model, layer), shape)
+        except ValueError as err:
+            print(f"error: --init attention: {err}", file=sys.stderr)
+            return 2
     result = {"command": command, "model": lm.describe(), "shape": shape.to_json(), "shape_preset": args.shape}
     if args.evaluate is not None:
         try:
@@ -527,7 +564,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         info = IndexerCheckpointInfo(
             model_sha256=lm.gguf_sha256 or "0" * 64, text_sha256=text_sha, shape=shape, layers=tuple(layers),
             steps={x: record[x]["steps"] for x in layers}, command=command,
-            extra={"shape_preset": args.shape, "text": args.novel, "text_source": corpus.source, **windows,
+            extra={"shape_preset": args.shape, "init": args.init, "text": args.novel, "text_source": corpus.source, **windows,
                    "train_seconds_including_load": round(train_s, 1),
                    "train_seconds_after_load": round(time.perf_counter() - t0, 1),
                    "flagged_layers": [x for x in layers if record[x]["flagged"]],

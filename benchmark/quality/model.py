@@ -92,6 +92,11 @@ def _decoder_layers(model) -> torch.nn.ModuleList:
     return layers
 
 
+def layer_attention(model, layer: int) -> torch.nn.Module:
+    """Decoder layer ``layer``'s attention module (``self_attn``)."""
+    return _decoder_layers(model)[layer].self_attn
+
+
 def truncate_decoder_layers(model, num_layers: int) -> None:
     """Keep the first ``num_layers`` decoder layers (fast tests; the logits change, of course)."""
     layers = _decoder_layers(model)

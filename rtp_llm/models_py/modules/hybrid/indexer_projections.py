@@ -65,6 +65,11 @@ class IndexerProjectionShape:
             raise ValueError(f"rope_theta: expected > 0, got {self.rope_theta!r}")
 
     @property
+    def weight_scale(self) -> float:
+        """DSA's factor on ``weights_proj(x)``: ``heads ** -0.5`` times the softmax scale ``head_dim ** -0.5``."""
+        return self.heads**-0.5 * self.head_dim**-0.5
+
+    @property
     def macs_per_key(self) -> int:
         """Multiply-adds the score costs per (query row, key): ``H * D``."""
         return self.heads * self.head_dim
@@ -104,8 +109,7 @@ class IndexerProjections(nn.Module):
         self.wk = nn.Linear(shape.hidden_size, D, bias=False)
         self.k_norm = nn.LayerNorm(D)
         self.weights_proj = nn.Linear(shape.hidden_size, H, bias=False)
-        # DSA: weights_proj(x) * n_heads ** -0.5, times softmax_scale = head_dim ** -0.5.
-        self.weight_scale = H**-0.5 * D**-0.5
+        self.weight_scale = shape.weight_scale
 
     def keys(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``hidden [T, C]`` at ``positions [T]`` -> fp32 keys ``[T, D]`` (normed, RoPE'd)."""
