@@ -106,6 +106,9 @@ def summarize(variant: str, run: BatchRun, rec: Dict[str, list], Hkv: int, D: in
     }
     for p in PARTS:
         row[f"{p}_ms"] = statistics.median(s[f"{p}_s"] * 1e3 for s in steps)
+    # Per timed step, in the order of step_ms: each step's parts add up to its total (rest is
+    # the remainder, clamped at 0); their medians need not add up to the median step.
+    row["step_parts_ms"] = {p: [s[f"{p}_s"] * 1e3 for s in steps] for p in PARTS}
     return row
 
 
