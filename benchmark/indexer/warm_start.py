@@ -12,16 +12,18 @@ own projections:
   ``theta ** (-2 j / rope_dim)``. With ``rope_dim == D`` the layouts are the same; with a
   smaller ``rope_dim`` (dividing ``D``) the model's pairs ``i = j * D / rope_dim`` (the
   same frequencies) go to the indexer's rotary dims and every other pair to its unrotated
-  dims, so those lose their rotation;
+  dims, so those lose their rotation. The model's RoPE is taken to be plain (no
+  frequency scaling) with the base the shape records (``rope_theta``), as Gemma 3's
+  global layers' is;
 * ``weights_proj``: the model normalises each head's query (RMSNorm), the indexer cannot
   (its per-head weight is linear in the layer input), so ``weights_proj`` is the least-
   squares fit, over the training windows' layer inputs, of ``scaling / rms(q_h)``: the
   score then approximates ``sum_h relu(logit_h)`` of the model's own logits.
 
 So the start is close to the proxy (on Gemma 3 270M with ``rope_dim == D``, its recall
-within 0.006 of the proxy's at 1/16, 1/8 and 1/4), and distillation goes on from there. The differences left:
-``k_norm`` is a LayerNorm (it subtracts the key's mean, RMSNorm does not) and the fitted
-weights.
+within 0.006 of the proxy's at 1/16, 1/8 and 1/4), and distillation goes on from there.
+The differences left: ``k_norm`` is a LayerNorm (it subtracts the key's mean, RMSNorm
+does not) and the fitted weights.
 """
 
 from __future__ import annotations
