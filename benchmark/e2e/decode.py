@@ -29,6 +29,7 @@ from benchmark.e2e.indexers import (
     IndexerShape,
     ProxyIndexer,
     TrainedIndexerInputs,
+    layer_indexer_shape,
     make_indexer,
     share_plan,
 )
@@ -111,12 +112,13 @@ class BatchRun:
     first_tokens: List[int]  # dense greedy token after each request's prefill
     continuation: Optional[List[int]]  # text tokens after position C (multi-row mode)
     text: List[int]
-    shape: IndexerShape
+    shape: IndexerShape  # the run's indexer; a trained file may give some layers another (``index_dims``)
     width: int
     prefill_s: float
     shared_bytes: int
     sparse: Tuple[int, ...]  # the layers with an indexer; the others are sliding-window layers
     window: Optional[int]  # those layers' window (tokens), None when every layer is sparse
+    index_dims: Dict[int, int] = dataclasses.field(default_factory=dict)  # sparse layer -> its indexer key's dims
 
 
 @torch.no_grad()
@@ -153,6 +155,7 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
     own_req, own_pos = req[~in_shared], pos[~in_shared]  # each variant's private partial blocks
     sparse = sparse_layers(model)
     plans = {name: share_plan(name, sparse, None if profile is None else profile.profile) for name in variants}
+    index_dims: Dict[int, int] = {}
     for layer in attention_layers(model):
         dense_only = layer not in sparse  # a sliding-window layer: no indexer, no indexer keys
         if dense_only:
@@ -163,7 +166,11 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
         else:
             proxy = ProxyIndexer(shape, H, Hkv, D, K[layer] if shape.dim < Hkv * D else None)
             index_keys = proxy.keys(K[layer])  # [C, Di]
-        index_cache = None if dense_only else IndexerKeyCache(torch.zeros(layout.num_blocks, pg, shape.dim, device=dev))
+        # A trained file may give this layer its own shape (the same cost per key): its keys, pool and drift.
+        lshape = shape if trained is None or dense_only else layer_indexer_shape(trained[layer], H, D)
+        if not dense_only:
+            index_dims[layer] = lshape.dim
+        index_cache = None if dense_only else IndexerKeyCache(torch.zeros(layout.num_blocks, pg, lshape.dim, device=dev))
         pool = LayerPools(torch.zeros(layout.num_blocks, pg, Hkv, D, device=dev),
                           torch.zeros(layout.num_blocks, pg, Hkv, D, device=dev), index_cache, proxy, layout)
         table0 = states[variants[0]].block_table  # the shared blocks are the same in every table
@@ -180,7 +187,7 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
             st.trackers[layer] = None
             if dense_only:
                 continue
-            indexer = make_indexer(name, shape, width, layer, dev,
+            indexer = make_indexer(name, lshape, width, layer, dev,
                                    projections=None if trained is None else trained[layer], share=plans[name],
                                    profile=profile, context=C)
             st.indexers[layer] = indexer
@@ -195,7 +202,7 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
                     st.trackers[layer] = attention_drift.clone()
                 continue
             if base is None:  # the first indexer variant writes every key through write_keys, feeding drift
-                base = BlockDriftTracker(layout.batch, layout.max_blocks, shape.dim, block_size=pg, device=dev)
+                base = BlockDriftTracker(layout.batch, layout.max_blocks, lshape.dim, block_size=pg, device=dev)
                 indexer.write_keys(index_keys[pos], pool.index_cache, slots_of(st.block_table, req, pos, pg),
                                    drift_tracker=base, positions=pos, request_ids=req)
                 st.trackers[layer] = base
@@ -208,7 +215,7 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
     cont = list(text[C:]) if next_n > 0 else None
     window = getattr(model.config, "sliding_window", None) if len(sparse) < len(attention_layers(model)) else None
     return BatchRun(layout, pools, states, first, cont, list(text), shape, width, prefill_s, shared_bytes,
-                    tuple(sparse), window)
+                    tuple(sparse), window, index_dims)
 
 
 def step_inputs(run: BatchRun, st: VariantState, tokens: torch.Tensor) -> Tuple[StepPlan, torch.Tensor, torch.Tensor]:
@@ -266,7 +273,8 @@ def decode_step(model, run: BatchRun, st: VariantState, tokens: torch.Tensor, me
     timers["rest"] = max(0.0, total - sum(timers[p] for p in PARTS if p != "rest"))
     st.lens = [n + tokens.shape[1] for n in st.lens]
     kv_after = sum(st.lens)
-    n_scan = sum(1 for i in st.indexers.values() if i is not None and i.scan and i.shares_rows_of is None)
+    scanning = [layer for layer, i in st.indexers.items() if i is not None and i.scan and i.shares_rows_of is None]
+    n_scan = len(scanning)
     n_dense = sum(1 for layer in run.sparse if st.indexers[layer] is None)
     n_window = len(st.indexers) - len(run.sparse)
     window_read = 0 if n_window == 0 else sum(min(n, run.window) for n in st.lens) * n_window
@@ -276,6 +284,8 @@ def decode_step(model, run: BatchRun, st: VariantState, tokens: torch.Tensor, me
             # dense reads each request's KV once for its rows; a sliding-window layer its window
             "dense_read_tokens": kv_after * n_dense + window_read,
             "scanned_keys": kv_after * n_scan,  # the indexer reads each request's keys once
+            # 1-byte fp8 keys of each scanning layer's own width
+            "scanned_key_bytes": kv_after * sum(run.index_dims.get(layer, run.shape.dim) for layer in scanning),
             "step_peak_bytes": mem,
             # host pages the step took fresh from the OS (None off Unix, and on the step whose
             # memory is measured: its malloc_trim hands pages back first)

@@ -169,6 +169,12 @@ def share_plan(variant: str, sparse_layers: Sequence[int], profile=None) -> Opti
                                   profile_path=None if profile is None else str(profile.path))
 
 
+def layer_indexer_shape(projections, H: int, D: int) -> IndexerShape:
+    """The shape record of one layer's trained ``IndexerProjections`` (a file may give layers
+    different shapes of the same cost per key)."""
+    return trained_indexer_shape(projections.shape.heads, projections.shape.head_dim, H, D)
+
+
 class TrainedIndexerInputs:
     """One layer's trained indexer (``IndexerProjections``) behind the proxy's place in the pools.
 

@@ -43,10 +43,11 @@ from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY, sum_totals
 from benchmark.e2e.report import iso_quality, targets
 
 
-def kv_bytes_per_step(step: Dict[str, float], Hkv: int, D: int, Di: int) -> int:
+def kv_bytes_per_step(step: Dict[str, float], Hkv: int, D: int) -> int:
     """Modelled bytes read: fp32 K and V of every attended token (dense: once per request),
-    1-byte fp8 indexer keys once per request."""
-    return int((step["sparse_attended_tokens"] + step["dense_read_tokens"]) * Hkv * D * 8 + step["scanned_keys"] * Di)
+    1-byte fp8 indexer keys once per request (``scanned_key_bytes``: each scanning layer's
+    key width)."""
+    return int((step["sparse_attended_tokens"] + step["dense_read_tokens"]) * Hkv * D * 8 + step["scanned_key_bytes"])
 
 
 
@@ -88,7 +89,7 @@ def summarize(variant: str, run: BatchRun, rec: Dict[str, list], Hkv: int, D: in
         "step_ms": totals,  # per timed step, in decode order (steps of every variant interleave)
         "step_ms_p90": _pct(totals, 0.9),
         "tokens_per_s": rows_per_step * 1e3 / med,
-        "kv_bytes_per_step": statistics.median(kv_bytes_per_step(s, Hkv, D, run.shape.dim) for s in steps),
+        "kv_bytes_per_step": statistics.median(kv_bytes_per_step(s, Hkv, D) for s in steps),
         "top1_agreement": sum(top1) / len(top1),
         "mean_kl": sum(kls) / len(kls),
         "step_kl": [sum(step) / len(step) for step in rec["kl"]],  # per step (every step), for paired intervals
@@ -186,9 +187,10 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
     loaded = load_model(args.model, args.num_layers, device)
     model = loaded.model
     H, Hkv, D = kv_geometry(model)
-    trained, checkpoint = None, None
+    trained, checkpoint, layer_shapes = None, None, {}
     if args.indexer == "trained":
-        trained, checkpoint, shape = load_trained(args, loaded, H, D, device)
+        trained, checkpoint, shape, info = load_trained(args, loaded, H, D, device)
+        layer_shapes = {str(x): f"{s.heads}x{s.head_dim}" for x, s in info.layer_shapes.items()}
         what = f"trained indexer {checkpoint}"
     else:
         shape = resolve_indexer_shape(args.indexer_preset, args.indexer_heads, args.indexer_dim, H, Hkv, D)
@@ -196,7 +198,7 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
     profile = load_profile(args, loaded)
     log(f"[e2e] {what}: {shape.heads} heads x {shape.dim} dims = {shape.macs_per_key} "
         f"multiply-adds per key, {shape.ratio_to_attention:.3f} of attention's {shape.attention_macs_per_key} "
-        f"(DSA: {DSA_RATIO:.3f})")
+        f"(DSA: {DSA_RATIO:.3f})" + (f"; layers with their own shape, same cost: {layer_shapes}" if layer_shapes else ""))
     from benchmark.progress import progress_bar
 
     configs = [(c, b, w) for c in args.contexts for b in args.batches for w in args.budget]
@@ -223,7 +225,7 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
     return {
         "environment": environment(device),
         "model": loaded.describe(),
-        "indexer": {**shape.describe(), "kind": args.indexer, "checkpoint": checkpoint},
+        "indexer": {**shape.describe(), "kind": args.indexer, "checkpoint": checkpoint, "layer_shapes": layer_shapes},
         "profile": None if profile is None else {
             "file": str(profile.profile.path), "policy": profile.profile.policy.value, "budget": profile.budget,
             "reference_context": profile.profile.reference_context,
@@ -261,8 +263,9 @@ def load_profile(args: argparse.Namespace, loaded) -> Optional[E2EProfile]:
 
 
 def load_trained(args: argparse.Namespace, loaded, H: int, D: int, device: torch.device):
-    """``(layer -> projections on device, checkpoint path, IndexerShape)``: ``--indexer-checkpoint``
-    or the shipped one."""
+    """``(layer -> projections on device, checkpoint path, IndexerShape, IndexerCheckpointInfo)``:
+    ``--indexer-checkpoint`` or the shipped one; the shape is the file's (``info.layer_shapes``:
+    the layers with another of the same cost per key)."""
     from benchmark.e2e.indexers import trained_indexer_shape
     from benchmark.indexer.checkpoints import load_trained_indexer, resolve_checkpoint
     from benchmark.quality.paths import user_path
@@ -281,7 +284,7 @@ def load_trained(args: argparse.Namespace, loaded, H: int, D: int, device: torch
         raise SystemExit(f"error: --indexer-checkpoint {path}: no indexer for layers {missing}")
     for projections in trained.values():
         projections.to(device)
-    return trained, str(path), trained_indexer_shape(info.shape.heads, info.shape.head_dim, H, D)
+    return trained, str(path), trained_indexer_shape(info.shape.heads, info.shape.head_dim, H, D), info
 
 
 def environment(device: torch.device) -> Dict[str, object]:

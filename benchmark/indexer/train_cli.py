@@ -28,9 +28,12 @@ What a run does (defaults in brackets):
    ``--init`` [random] ``attention`` starts each layer from its attention's own q/k
    projections instead (``--shape proxy-cost`` and one KV head;
    :mod:`benchmark.indexer.warm_start`); ``--rope-dim`` [half the head dims] sets how
-   many leading q/k dims carry RoPE (the head dims: the model's own layout).
+   many leading q/k dims carry RoPE (the head dims: the model's own layout);
+   ``--layer-shape LAYERS=HxD[:ROPE]`` gives some layers another shape of the same cost
+   per key (e.g. four heads of 16 dims where one head of 64 is the rest's), and
+   ``--layer-steps LAYERS=N`` other step counts.
 4. Writes the checkpoint (bf16 safetensors with the model's and the text's sha256, the
-   shape, the steps per layer and this command line).
+   shape and each layer with another one, the steps per layer and this command line).
 5. Evaluates on held-out windows of the training text and of another text [Pride and
    Prejudice], at each ``--eval-contexts`` [2,048]: recall at W = 1/16, 1/8, 1/4 of the
    context for the oracle, the trained indexer (also with its ties broken to the newest
@@ -50,12 +53,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import shlex
 import sys
 import time
 from fractions import Fraction
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -64,6 +68,7 @@ from benchmark.progress import NO_PROGRESS_HELP
 from benchmark.indexer.checkpoints import model_rope_theta, parse_shape, resolve_shape
 from benchmark.indexer.evaluate import NEWEST_TIES, REUSE_BELOW, TIE_DECIDED
 from benchmark.quality.text import NOVELS
+from rtp_llm.models_py.modules.hybrid.indexer_projections import IndexerProjectionShape
 
 TRAIN_FRACTION = 0.8
 DEFAULT_TRAIN_CONTEXTS = (2048, 4096, 8192)
@@ -99,9 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="checkpoint to write (.safetensors); required unless --evaluate")
     p.add_argument("--evaluate", default=None, metavar="FILE", help="evaluate this checkpoint instead of training")
     p.add_argument("--report-dir", default=None, help="folder for recall.json, recall.md and recall.png")
-    p.add_argument("--shape", default="dsa-ratio", help="dsa-ratio (default), proxy-cost or HxD (e.g. 1x64)")
+    p.add_argument("--shape", default=None, help="dsa-ratio (default), proxy-cost or HxD (e.g. 1x64)")
     p.add_argument("--rope-dim", type=int, default=None,
                    help="leading q/k dims that carry RoPE (default: half the head dims, DSA's 64 of 128)")
+    p.add_argument("--layer-shape", action="append", default=[], metavar="LAYERS=HxD[:ROPE]",
+                   help="these layers get another shape of the same cost per key, e.g. 0,19=4x16:16 (four heads "
+                        "of 16 dims, RoPE on all 16; ROPE defaults to half the dims); repeatable")
     p.add_argument("--init", choices=INITS, default="random",
                    help="random (default: DSA's warm-up from scratch) or attention: start from the layer's own q/k "
                         "projections (needs --shape proxy-cost and a model with one KV head; "
@@ -120,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"window (default {DEFAULT_COPY_SEGMENTS}; 0: plain text only)")
     p.add_argument("--rows", type=int, default=256, help="query rows sampled per window (default 256)")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps per layer (default {DEFAULT_STEPS})")
+    p.add_argument("--layer-steps", action="append", default=[], metavar="LAYERS=N",
+                   help="these layers take N optimizer steps instead of --steps, e.g. 0=1200; repeatable")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--batch-windows", type=int, default=2, help="windows per optimizer step (default 2)")
     p.add_argument("--dead-slope", type=float, default=0.0,
@@ -139,12 +149,82 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_layer_shapes(values: List[str]) -> List[Tuple[Tuple[int, ...], str, Optional[int]]]:
+    """``--layer-shape`` values ``LAYERS=HxD[:ROPE]`` -> ``[(layers, "HxD", rope or None)]``;
+    ValueError naming the flag, the value and the expected form (a layer at most once)."""
+    out, seen = [], set()
+    for text in values:
+        form = f"--layer-shape: expected LAYERS=HxD[:ROPE] (e.g. 0,19=4x16:16), got {shown(text)}"
+        m = re.fullmatch(r"\s*([0-9]+(?:\s*,\s*[0-9]+)*)\s*=\s*([0-9]+x[0-9]+)\s*(?::\s*([0-9]+))?\s*", text)
+        if m is None:
+            raise ValueError(form)
+        layers = tuple(int(x) for x in m.group(1).split(","))
+        shape = parse_shape(m.group(2))
+        twice = sorted(seen.intersection(layers)) or sorted({x for x in layers if layers.count(x) > 1})
+        if twice:
+            raise ValueError(f"--layer-shape: layers {twice} are given a shape more than once")
+        seen.update(layers)
+        out.append((layers, shape, None if m.group(3) is None else int(m.group(3))))
+    return out
+
+
+def parse_layer_steps(values: List[str]) -> List[Tuple[Tuple[int, ...], int]]:
+    """``--layer-steps`` values ``LAYERS=N`` -> ``[(layers, N)]``; ValueError naming the flag,
+    the value and the expected form (N >= 1, a layer at most once)."""
+    out, seen = [], set()
+    for text in values:
+        m = re.fullmatch(r"\s*([0-9]+(?:\s*,\s*[0-9]+)*)\s*=\s*([0-9]+)\s*", text)
+        if m is None or int(m.group(2)) < 1:
+            raise ValueError(f"--layer-steps: expected LAYERS=N with N >= 1 (e.g. 0=1200), got {shown(text)}")
+        layers = tuple(int(x) for x in m.group(1).split(","))
+        twice = sorted(seen.intersection(layers)) or sorted({x for x in layers if layers.count(x) > 1})
+        if twice:
+            raise ValueError(f"--layer-steps: layers {twice} are given steps more than once")
+        seen.update(layers)
+        out.append((layers, int(m.group(2))))
+    return out
+
+
+def resolve_layer_shapes(base: IndexerProjectionShape, overrides, layers: List[int], *, heads: int, head_dim: int,
+                         rope_theta: float) -> Dict[int, IndexerProjectionShape]:
+    """Each trained layer's shape: ``base``, or its ``--layer-shape`` (:func:`parse_layer_shapes`).
+
+    ValueError naming the flag for a layer that is not trained, a shape whose cost per key
+    (``H * D``) differs from ``base``'s (a file keeps one cost per key, so its comparisons
+    stay at equal cost), or a RoPE span that is odd or wider than the head.
+    """
+    shapes = {layer: base for layer in layers}
+    for names, text, rope in overrides:
+        bad = [x for x in names if x not in shapes]
+        if bad:
+            raise ValueError(f"--layer-shape: layers {bad} are not trained in this run ({layers})")
+        try:
+            shape = resolve_shape(text, heads=heads, head_dim=head_dim, hidden_size=base.hidden_size,
+                                  rope_theta=rope_theta, rope_dim=rope)
+        except ValueError as err:
+            raise ValueError(f"--layer-shape {text}{'' if rope is None else f':{rope}'}: {err}") from None
+        if shape.macs_per_key != base.macs_per_key:
+            raise ValueError(f"--layer-shape: {text} costs {shape.macs_per_key} multiply-adds per key, expected the "
+                             f"--shape's {base.macs_per_key} ({base.heads}x{base.head_dim})")
+        for x in names:
+            shapes[x] = shape
+    return shapes
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Parse and check every flag before anything is loaded (``error: --flag ...``, exit 2)."""
     p = build_parser()
     args = p.parse_args(argv)
+    if args.evaluate is not None:  # the file's shapes are the ones evaluated
+        given = [flag for flag, value in (("--shape", args.shape), ("--rope-dim", args.rope_dim),
+                                          ("--layer-shape", args.layer_shape or None),
+                                          ("--layer-steps", args.layer_steps or None)) if value is not None]
+        if given:
+            p.error(f"{given[0]}: applies to training, not to --evaluate (the file records its shapes)")
     try:
-        args.shape = parse_shape(args.shape)
+        args.shape = parse_shape("dsa-ratio" if args.shape is None else args.shape)
+        args.layer_shape = parse_layer_shapes(args.layer_shape)
+        args.layer_steps = parse_layer_steps(args.layer_steps)
     except ValueError as err:
         p.error(str(err))
     for flag in ("novel", "eval_novel"):
@@ -241,8 +321,9 @@ def _bar(total, desc, disable):
     return progress_bar(total, desc, "step" if "train" in desc else "fwd", not disable)
 
 
-def train(args, lm, corpus, layers, shape, progress: bool):
-    """Steps 1-4 of the module docstring: ``(projections, per-layer training record)``."""
+def train(args, lm, corpus, layers, shapes: Dict[int, IndexerProjectionShape], progress: bool):
+    """Steps 1-4 of the module docstring: ``(projections, per-layer training record)``;
+    ``shapes``: each layer's projection shape (:func:`resolve_layer_shapes`)."""
     from benchmark.indexer.capture import capture_window
     from benchmark.indexer.distill import DistillSettings, held_out_kl, train_layer
     from benchmark.indexer.evaluate import default_methods, layer_recall, trained_scores
@@ -265,22 +346,26 @@ def train(args, lm, corpus, layers, shape, progress: bool):
     bar.close()
     val = samples.pop()
     val_ctx = len(val_window.token_ids)
-    base = DistillSettings(steps=args.steps, lr=args.lr, batch_windows=args.batch_windows,
-                           dead_slope=args.dead_slope)
-    retries = {  # why a layer is retrained -> its second attempt
-        "collapsed": dataclasses.replace(base, steps=args.steps * 2, lr=args.lr / 2),
-        "below a null model": dataclasses.replace(base, steps=args.steps * NULL_RETRY_STEPS, lr=args.lr * NULL_RETRY_LR),
-    }
+    steps_of = {layer: args.steps for layer in layers}
+    for names, steps in args.layer_steps:
+        steps_of.update({x: steps for x in names if x in steps_of})
     projections, record = {}, {}
-    bar = _bar(len(layers) * args.steps, "train", not progress)
+    bar = _bar(sum(steps_of.values()), "train", not progress)
     for layer in layers:
+        base = DistillSettings(steps=steps_of[layer], lr=args.lr, batch_windows=args.batch_windows,
+                               dead_slope=args.dead_slope)
+        retries = {  # why a layer is retrained -> its second attempt
+            "collapsed": dataclasses.replace(base, steps=base.steps * 2, lr=args.lr / 2),
+            "below a null model": dataclasses.replace(base, steps=base.steps * NULL_RETRY_STEPS,
+                                                      lr=args.lr * NULL_RETRY_LR),
+        }
         layer_samples = [s[layer] for s in samples]
         init = None
         if args.init == "attention":
             from benchmark.indexer.warm_start import attention_warm_start
             from benchmark.quality.model import layer_attention
 
-            init = attention_warm_start(layer_attention(lm.model, layer), shape,
+            init = attention_warm_start(layer_attention(lm.model, layer), shapes[layer],
                                         torch.cat([s.hidden for s in layer_samples]))
         nulls = ({m: fn for m, fn in default_methods(None, True).items() if m in NULL_MODELS}
                  if args.retry_below_null else {})
@@ -289,7 +374,7 @@ def train(args, lm, corpus, layers, shape, progress: bool):
         while True:
             start = time.perf_counter()
             module, losses = train_layer(
-                shape, layer_samples, settings, seed,
+                shapes[layer], layer_samples, settings, seed,
                 on_step=lambda step, loss: (bar.update(), bar.set_postfix_str(f"layer {layer} loss {loss:.3f}")),
                 init=init)
             round_to_stored_dtype_(module)
@@ -537,17 +622,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as err:
         print(f"error: --rope-dim: {err}", file=sys.stderr)
         return 2
+    try:
+        shapes = resolve_layer_shapes(shape, args.layer_shape, layers, heads=cfg.num_attention_heads,
+                                      head_dim=head_dim, rope_theta=model_rope_theta(cfg))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    layer_shapes = {x: s for x, s in shapes.items() if s != shape}
+    bad = sorted({x for names, _ in args.layer_steps for x in names if x not in layers})
+    if bad:
+        print(f"error: --layer-steps: layers {bad} are not trained in this run ({layers})", file=sys.stderr)
+        return 2
     if args.init == "attention":  # before minutes of capture
         from benchmark.indexer.warm_start import check_warm_start
         from benchmark.quality.model import layer_attention
 
         try:
             for layer in layers:
-                check_warm_start(layer_attention(lm.model, layer), shape)
+                check_warm_start(layer_attention(lm.model, layer), shapes[layer])
         except ValueError as err:
             print(f"error: --init attention: {err}", file=sys.stderr)
             return 2
-    result = {"command": command, "model": lm.describe(), "shape": shape.to_json(), "shape_preset": args.shape}
+    result = {"command": command, "model": lm.describe(), "shape": shape.to_json(), "shape_preset": args.shape,
+              "layer_shapes": {str(x): s.to_json() for x, s in layer_shapes.items()}}
     if args.evaluate is not None:
         try:
             projections, info = load_indexer_checkpoint(user_path(args.evaluate), model_sha256=lm.gguf_sha256 or None,
@@ -556,14 +653,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"error: --evaluate: {err}", file=sys.stderr)
             return 2
         result["checkpoint"] = {"path": str(args.evaluate), **info.to_json()}
+        result["shape"], result["shape_preset"] = info.shape.to_json(), info.extra.get("shape_preset")
+        result["layer_shapes"] = {str(x): s.to_json() for x, s in info.layer_shapes.items() if x in layers}
     else:
         text_sha = __import__("hashlib").sha256(corpus.texts[args.novel].encode("utf-8")).hexdigest()
         t0 = time.perf_counter()
-        projections, record, windows = train(args, lm, corpus, layers, shape, progress)
+        projections, record, windows = train(args, lm, corpus, layers, shapes, progress)
         train_s = time.perf_counter() - started
         info = IndexerCheckpointInfo(
             model_sha256=lm.gguf_sha256 or "0" * 64, text_sha256=text_sha, shape=shape, layers=tuple(layers),
-            steps={x: record[x]["steps"] for x in layers}, command=command,
+            steps={x: record[x]["steps"] for x in layers}, command=command, layer_shapes=layer_shapes,
             extra={"shape_preset": args.shape, "init": args.init, "text": args.novel, "text_source": corpus.source, **windows,
                    "train_seconds_including_load": round(train_s, 1),
                    "train_seconds_after_load": round(time.perf_counter() - t0, 1),

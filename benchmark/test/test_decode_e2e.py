@@ -246,6 +246,56 @@ def test_trained_indexer_variants_write_the_projected_keys_and_decode(loaded, te
         assert max(max(k) for k in out[name]["kl"]) < 1e-6, f"{name}: W covers every row, so it equals dense"
 
 
+def test_a_layer_with_its_own_indexer_shape_gets_its_own_key_width(loaded, text):
+    """A trained file whose layer 1 has 4 heads x 16 dims where layer 0 has 1 x 64 (the same
+    cost per key): each layer's index cache and drift tracker have its own key width, its
+    prefill keys are its projections', the modelled KV read counts each scanning layer's
+    width, and a budget covering every row equals dense."""
+    from benchmark.e2e.decode import prefill_text
+    from benchmark.e2e.indexers import trained_indexer_shape
+    from benchmark.e2e.runner import kv_bytes_per_step
+    from rtp_llm.models_py.modules.hybrid.indexer_projections import IndexerProjections, IndexerProjectionShape
+    from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import fp8_e4m3_round_trip
+
+    H, Hkv, D = e2e.kv_geometry(loaded.model)
+    C = loaded.model.config.hidden_size
+    shapes = {0: IndexerProjectionShape(heads=1, head_dim=64, rope_dim=32, hidden_size=C, q_input_size=C),
+              1: IndexerProjectionShape(heads=4, head_dim=16, rope_dim=16, hidden_size=C, q_input_size=C)}
+    gen = torch.Generator().manual_seed(11)
+    trained = {}
+    for layer, s in shapes.items():
+        m = IndexerProjections(s)
+        with torch.no_grad():
+            for prm in m.parameters():
+                prm.copy_(torch.randn(prm.shape, generator=gen) * 0.05)
+        trained[layer] = m.eval().requires_grad_(False)
+    lens = [CONTEXT, CONTEXT - 30]
+    prefilled = prefill_text(loaded.model, text[:CONTEXT], [n - 1 for n in lens])
+    X = prefilled[4]
+    variants = ["dense", "learned", "learned+topology_sparse_merge"]
+    base = trained_indexer_shape(1, 64, H, D)
+    for width, exact in ((CONTEXT + 8, True), (64, False)):
+        run = e2e.build_batch(loaded.model, text, lens, variants, 2, 0, width, base,
+                              (*prefilled, [n - 1 for n in lens]), trained)
+        assert run.index_dims == {0: 64, 1: 16}
+        st = run.states["learned"]
+        for layer, pools in run.pools.items():
+            assert pools.index_cache.k_cache.shape[-1] == shapes[layer].head_dim
+            assert st.indexers[layer].index_head_dim == shapes[layer].head_dim
+            assert st.indexers[layer].index_n_heads == shapes[layer].heads
+            want = fp8_e4m3_round_trip(trained[layer].keys(X[layer], torch.arange(CONTEXT)))
+            got = paged_request_keys(pools.index_cache.k_cache, st.block_table)[0, :CONTEXT]
+            assert torch.equal(got, want), f"layer {layer}"
+        out = e2e.decode_batch(loaded.model, run, 2)
+        for name in variants[1:]:
+            for step in out[name]["steps"]:
+                assert step["scanned_key_bytes"] == step["scanned_keys"] // 2 * (64 + 16), name  # 2 scanning layers
+                assert kv_bytes_per_step(step, Hkv, D) == (step["sparse_attended_tokens"] + step["dense_read_tokens"]) \
+                    * Hkv * D * 8 + step["scanned_key_bytes"]
+            if exact:
+                assert max(max(k) for k in out[name]["kl"]) < 1e-6, f"{name}: W covers every row, so it equals dense"
+
+
 def test_device_cuda_without_cuda_fails_at_parsing(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exc:

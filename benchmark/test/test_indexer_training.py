@@ -401,7 +401,7 @@ def test_retry_below_null_retrains_an_undertrained_layer_and_is_off_by_default(c
         args = train_cli.parse_args(["--out", "unused.safetensors", "--train-contexts", "256", "--train-windows", "2",
                                      "--copy-segments", "0", "--rows", "32", "--steps", "1", "--lr", "1e-3",
                                      "--flag-margin", "0.99"] + (["--retry-below-null"] if flag else []))
-        return train_cli.train(args, tiny, corpus, layers, shape, progress=False)
+        return train_cli.train(args, tiny, corpus, layers, {x: shape for x in layers}, progress=False)
 
     _, rec_on, _ = run(True)
     _, rec_off, _ = run(False)
@@ -483,3 +483,92 @@ def test_a_dead_row_learns_only_with_the_leak():
         trajectories[slope] = losses
     assert trajectories[0.0][-1] == trajectories[0.0][0], "plain relu: a dead row never moves"
     assert trajectories[0.1][-1] < 0.5 * trajectories[0.1][0], trajectories[0.1]
+
+
+# ---------------------------------------------------------------------------
+# --layer-shape: some layers with another shape of the same cost per key.
+
+
+def test_layer_shape_flag_parsing_and_refusals(capsys):
+    from benchmark.indexer import train_cli
+
+    assert train_cli.parse_layer_shapes(["0,19=4x16:16", " 3 = 2x32 "]) == [((0, 19), "4x16", 16), ((3,), "2x32", None)]
+    for bad, said in (("0=4x16:", "expected LAYERS=HxD[:ROPE]"), ("=4x16", "expected LAYERS=HxD[:ROPE]"),
+                      ("0=dsa-ratio", "expected LAYERS=HxD[:ROPE]"), ("0=0x16", "--shape: expected"),
+                      ("a=4x16", "expected LAYERS=HxD[:ROPE]")):
+        with pytest.raises(ValueError, match=r"--(layer-)?shape"):
+            train_cli.parse_layer_shapes([bad])
+        with pytest.raises(ValueError) as err:
+            train_cli.parse_layer_shapes([bad])
+        assert said in str(err.value), (bad, str(err.value))
+    with pytest.raises(ValueError, match=r"layers \[0\] are given a shape more than once"):
+        train_cli.parse_layer_shapes(["0,1=4x16", "0=2x32"])
+    with pytest.raises(ValueError, match=r"layers \[1\] are given a shape more than once"):
+        train_cli.parse_layer_shapes(["1,1=4x16"])
+    with pytest.raises(SystemExit):
+        train_cli.parse_args(["--out", "x.safetensors", "--layer-shape", "0=4x16:x"])
+    assert "--layer-shape: expected LAYERS=HxD[:ROPE]" in capsys.readouterr().err
+    for flag in (["--shape", "1x64"], ["--rope-dim", "16"], ["--layer-shape", "0=4x16"]):
+        with pytest.raises(SystemExit):
+            train_cli.parse_args(["--evaluate", __file__] + flag)
+        assert f"{flag[0]}: applies to training, not to --evaluate" in capsys.readouterr().err
+    assert train_cli.parse_args(["--out", "x.safetensors"]).shape == "dsa-ratio"
+    assert train_cli.parse_layer_steps(["0,19=1200", "3 = 7"]) == [((0, 19), 1200), ((3,), 7)]
+    for bad in ("0=0", "0=", "0=1e3", "=5"):
+        with pytest.raises(ValueError, match="--layer-steps: expected LAYERS=N with N >= 1"):
+            train_cli.parse_layer_steps([bad])
+    with pytest.raises(ValueError, match=r"--layer-steps: layers \[2\] are given steps more than once"):
+        train_cli.parse_layer_steps(["1,2=4", "2=5"])
+    with pytest.raises(SystemExit):
+        train_cli.parse_args(["--evaluate", __file__, "--layer-steps", "0=5"])
+    assert "--layer-steps: applies to training, not to --evaluate" in capsys.readouterr().err
+
+    base = IndexerProjectionShape(heads=1, head_dim=64, rope_dim=32, hidden_size=576, q_input_size=576)
+    kw = dict(heads=9, head_dim=64, rope_theta=10000.0)
+    shapes = train_cli.resolve_layer_shapes(base, [((0, 2), "4x16", 16)], [0, 1, 2], **kw)
+    assert shapes[1] is base and shapes[0] == shapes[2] == IndexerProjectionShape(
+        heads=4, head_dim=16, rope_dim=16, hidden_size=576, q_input_size=576)
+    assert train_cli.resolve_layer_shapes(base, [((1,), "2x32", None)], [0, 1], **kw)[1].rope_dim == 16  # half
+    with pytest.raises(ValueError, match=r"--layer-shape: layers \[5\] are not trained in this run \(\[0, 1\]\)"):
+        train_cli.resolve_layer_shapes(base, [((5,), "4x16", None)], [0, 1], **kw)
+    with pytest.raises(ValueError, match=r"4x32 costs 128 multiply-adds per key, expected the --shape's 64 \(1x64\)"):
+        train_cli.resolve_layer_shapes(base, [((0,), "4x32", None)], [0, 1], **kw)
+    with pytest.raises(ValueError, match="--layer-shape 4x16:18: rope_dim"):
+        train_cli.resolve_layer_shapes(base, [((0,), "4x16", 18)], [0, 1], **kw)
+
+
+def test_training_with_a_layer_shape_writes_each_layer_at_its_shape(captured, tmp_path):
+    """train_cli.train with layer 1 at 4 heads x 4 dims (the 1 x 16 base's cost): each module has
+    its layer's shape and the checkpoint round-trips it (format /2)."""
+    import random
+
+    from benchmark.indexer import train_cli
+    from rtp_llm.models_py.modules.hybrid.indexer_checkpoint import (
+        IndexerCheckpointInfo,
+        load_indexer_checkpoint,
+        save_indexer_checkpoint,
+    )
+
+    lm, layers = captured[0], captured[1]
+    rng = random.Random(7)
+
+    class Corpus:
+        texts = {"emma": "".join(chr(97 + rng.randrange(26)) for _ in range(3000))}
+
+    tiny = type(lm)(model=lm.model, tokenizer=lambda text: {"input_ids": [ord(c) % 97 for c in text]},
+                    gguf_path=None, gguf_sha256="", full_attention_layers=lm.full_attention_layers)
+    args = train_cli.parse_args(["--out", "unused.safetensors", "--train-contexts", "256", "--train-windows", "2",
+                                 "--copy-segments", "0", "--rows", "32", "--steps", "3", "--layer-shape", "1=4x4:4",
+                                 "--layer-steps", "1=5", "--flag-margin", "0.99"])
+    base = IndexerProjectionShape(heads=1, head_dim=16, rope_dim=8, hidden_size=64, q_input_size=64)
+    shapes = train_cli.resolve_layer_shapes(base, args.layer_shape, layers, heads=4, head_dim=16, rope_theta=10000.0)
+    projections, record, _ = train_cli.train(args, tiny, Corpus(), layers, shapes, progress=False)
+    assert projections[0].shape == base and projections[1].shape == shapes[1] != base
+    assert record[0]["steps"] == 3 and record[1]["steps"] == 5  # --layer-steps
+    assert projections[1].wq_b.weight.shape == (16, 64) and projections[1].wk.weight.shape == (4, 64)
+    info = IndexerCheckpointInfo(model_sha256="c" * 64, text_sha256="d" * 64, shape=base, layers=tuple(layers),
+                                 steps={x: record[x]["steps"] for x in layers}, command="t",
+                                 layer_shapes={1: shapes[1]})
+    save_indexer_checkpoint(tmp_path / "ix.safetensors", projections, info)
+    loaded, back = load_indexer_checkpoint(tmp_path / "ix.safetensors", model_sha256="c" * 64)
+    assert back.shape_of(1) == shapes[1] and loaded[1].shape == shapes[1] and loaded[0].shape == base

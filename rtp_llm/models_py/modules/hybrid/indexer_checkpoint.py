@@ -8,6 +8,12 @@ object) records what the weights are valid for: the served model's GGUF sha256, 
 training text's sha256, the projection shape, the layers, the training steps per layer
 and the command that made the file.
 
+One shape serves every layer (DSA's checkpoints, format ``topology_kv_indexer/1``) unless
+the metadata's ``layer_shapes`` gives some layers another one (format
+``topology_kv_indexer/2``, written only then): a layer's shape is
+:meth:`IndexerCheckpointInfo.shape_of`. Every shape of a file reads the same layer input
+(``hidden_size``, ``q_input_size``).
+
 Loading refuses, with an error naming the file and what differs: another model (sha256),
 a layer the caller needs that the file lacks, a shape the caller expects that differs,
 or a tensor whose shape disagrees with the recorded one.
@@ -26,7 +32,8 @@ import torch
 
 from rtp_llm.models_py.modules.hybrid.indexer_projections import IndexerProjections, IndexerProjectionShape
 
-FORMAT = "topology_kv_indexer/1"
+FORMAT = "topology_kv_indexer/1"  # one shape for every layer
+FORMAT_LAYER_SHAPES = "topology_kv_indexer/2"  # plus ``layer_shapes``: some layers with another shape
 METADATA_KEY = "topology_kv_indexer"
 STORED_DTYPE = torch.bfloat16
 # A checkpoint of this project's shapes is a few MB; anything far larger is not one.
@@ -45,11 +52,13 @@ class IndexerCheckpointInfo:
 
     model_sha256 : sha256 of the served model's GGUF file
     text_sha256 : sha256 of the training text
-    shape : the projection shape, the same for every layer
+    shape : the projection shape of every layer not in ``layer_shapes``
     layers : the decoder layers that have an indexer (ascending)
     steps : layer -> optimizer steps its weights took (retries included)
     command : the command line that trained the file
     extra : anything else the trainer records (windows, held-out recall, seconds)
+    layer_shapes : layer -> its shape, for the layers whose shape is not ``shape`` (each a
+        layer of ``layers``, each shape reading the same input widths as ``shape``)
     """
 
     model_sha256: str
@@ -59,6 +68,7 @@ class IndexerCheckpointInfo:
     steps: Mapping[int, int]
     command: str
     extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    layer_shapes: Mapping[int, IndexerProjectionShape] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("model_sha256", "text_sha256"):
@@ -67,10 +77,27 @@ class IndexerCheckpointInfo:
                 raise ValueError(f"{name}: expected 64 lowercase hex digits (a sha256), got {str(value)[:80]!r}")
         if not self.layers or list(self.layers) != sorted(set(self.layers)) or min(self.layers) < 0:
             raise ValueError(f"layers: expected distinct ascending layer ids >= 0, got {list(self.layers)}")
+        for layer, shape in self.layer_shapes.items():
+            if layer not in self.layers:
+                raise ValueError(f"layer_shapes: layer {layer} is not one of the file's layers {list(self.layers)}")
+            if not isinstance(shape, IndexerProjectionShape):
+                raise ValueError(f"layer_shapes[{layer}]: expected an IndexerProjectionShape, got {type(shape).__name__}")
+            if shape == self.shape:
+                raise ValueError(f"layer_shapes[{layer}]: the file's shape itself; list only the layers that differ")
+            widths = (shape.hidden_size, shape.q_input_size)
+            if widths != (self.shape.hidden_size, self.shape.q_input_size):
+                raise ValueError(f"layer_shapes[{layer}]: reads inputs of {widths[0]} / {widths[1]} (hidden_size / "
+                                 f"q_input_size), expected the file's {self.shape.hidden_size} / {self.shape.q_input_size}")
+
+    def shape_of(self, layer: int) -> IndexerProjectionShape:
+        """The projection shape of ``layer`` (a layer of :attr:`layers`)."""
+        if layer not in self.layers:
+            raise ValueError(f"layer: expected one of the file's layers {list(self.layers)}, got {layer}")
+        return self.layer_shapes.get(layer, self.shape)
 
     def to_json(self) -> Dict[str, object]:
-        return {
-            "format": FORMAT,
+        out = {
+            "format": FORMAT_LAYER_SHAPES if self.layer_shapes else FORMAT,
             "model_sha256": self.model_sha256,
             "text_sha256": self.text_sha256,
             "shape": self.shape.to_json(),
@@ -79,11 +106,18 @@ class IndexerCheckpointInfo:
             "command": self.command,
             "extra": dict(self.extra),
         }
+        if self.layer_shapes:
+            out["layer_shapes"] = {str(k): v.to_json() for k, v in sorted(self.layer_shapes.items())}
+        return out
 
     @classmethod
     def from_json(cls, raw: Mapping[str, object], source: str) -> "IndexerCheckpointInfo":
-        if raw.get("format") != FORMAT:
-            raise ValueError(f"{source}: format: expected {FORMAT!r}, got {raw.get('format')!r}")
+        fmt = raw.get("format")
+        if fmt not in (FORMAT, FORMAT_LAYER_SHAPES):
+            raise ValueError(f"{source}: format: expected {FORMAT!r} or {FORMAT_LAYER_SHAPES!r}, got {fmt!r}")
+        if (fmt == FORMAT_LAYER_SHAPES) != bool(raw.get("layer_shapes")):
+            raise ValueError(f"{source}: format: {fmt!r} with{'' if raw.get('layer_shapes') else 'out'} layer_shapes "
+                             f"(expected {FORMAT_LAYER_SHAPES!r} exactly when some layer has its own shape)")
         try:
             return cls(
                 model_sha256=raw["model_sha256"],
@@ -93,8 +127,9 @@ class IndexerCheckpointInfo:
                 steps={int(k): int(v) for k, v in raw["steps"].items()},
                 command=str(raw["command"]),
                 extra=dict(raw.get("extra", {})),
+                layer_shapes={int(k): IndexerProjectionShape(**v) for k, v in (raw.get("layer_shapes") or {}).items()},
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{source}: metadata: {exc}") from None
 
 
@@ -107,8 +142,8 @@ def save_indexer_checkpoint(path: Path, projections: Mapping[int, IndexerProject
         raise ValueError(f"projections: expected layers {list(info.layers)}, got {sorted(projections)}")
     tensors = {}
     for layer, module in projections.items():
-        if module.shape != info.shape:
-            raise ValueError(f"projections[{layer}].shape: expected {info.shape}, got {module.shape}")
+        if module.shape != info.shape_of(layer):
+            raise ValueError(f"projections[{layer}].shape: expected {info.shape_of(layer)}, got {module.shape}")
         state = module.state_dict()
         for param in _PARAMS:
             tensors[tensor_name(layer, param)] = state[param].detach().to(STORED_DTYPE).contiguous()
@@ -172,23 +207,26 @@ def load_indexer_checkpoint(
     model_sha256 : the served model's GGUF sha256; the file must have been trained for it
         (None skips the check: tests with random models only)
     layers : the layers the caller needs (None: every layer in the file)
-    shape : the projection shape the caller expects, or None
+    shape : the projection shape the caller expects of every layer it needs, or None
     """
     from safetensors import safe_open
 
     path = Path(path)
     info = read_checkpoint_info(path, model_sha256)
-    if shape is not None and info.shape != shape:
-        raise ValueError(f"indexer checkpoint {path}: shape {info.shape}, expected {shape}")
     wanted = list(info.layers) if layers is None else sorted(set(int(x) for x in layers))
     missing = [x for x in wanted if x not in info.layers]
     if missing:
         raise ValueError(f"indexer checkpoint {path}: no indexer for layers {missing} (the file has {list(info.layers)})")
+    if shape is not None:
+        other = [x for x in wanted if info.shape_of(x) != shape]
+        if other:
+            raise ValueError(f"indexer checkpoint {path}: layers {other} have shape {info.shape_of(other[0])}"
+                             f"{'' if len(other) == 1 else ' (the first)'}, expected {shape}")
     out: Dict[int, IndexerProjections] = {}
     with safe_open(str(path), framework="pt") as f:
         names = set(f.keys())
         for layer in wanted:
-            module = IndexerProjections(info.shape)
+            module = IndexerProjections(info.shape_of(layer))
             expected = {k: v.shape for k, v in module.state_dict().items()}
             state = {}
             for param in _PARAMS:
@@ -198,7 +236,7 @@ def load_indexer_checkpoint(
                 tensor = f.get_tensor(name)
                 if tuple(tensor.shape) != tuple(expected[param]):
                     raise ValueError(f"indexer checkpoint {path}: {name} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(expected[param])} for {info.shape}")
+                                     f"expected {tuple(expected[param])} for {info.shape_of(layer)}")
                 state[param] = tensor.to(torch.float32)
             module.load_state_dict(state)
             out[layer] = module.eval().requires_grad_(False)

@@ -146,3 +146,57 @@ def test_checkpoint_refusals_name_the_file_and_what_differs(tmp_path):
         save_indexer_checkpoint(tmp_path / "x.safetensors", {0: _module(1)}, _info())
     with pytest.raises(ValueError, match="model_sha256"):
         _info(sha="none")
+
+
+OTHER = IndexerProjectionShape(heads=4, head_dim=4, rope_dim=4, hidden_size=12, q_input_size=12)  # the same cost per key
+
+
+def test_checkpoint_with_a_shape_per_layer_round_trips(tmp_path):
+    mods = {0: _module(5), 2: _module(6, OTHER)}
+    info = IndexerCheckpointInfo(model_sha256=SHA_A, text_sha256=SHA_B, shape=SHAPE, layers=(0, 2),
+                                 steps={0: 10, 2: 10}, command="test", layer_shapes={2: OTHER})
+    assert info.shape_of(0) == SHAPE and info.shape_of(2) == OTHER
+    assert info.to_json()["format"] == "topology_kv_indexer/2" and _info().to_json()["format"] == "topology_kv_indexer/1"
+    path = tmp_path / "ix.safetensors"
+    save_indexer_checkpoint(path, mods, info)
+    loaded, back = load_indexer_checkpoint(path, model_sha256=SHA_A)
+    assert back == info and read_checkpoint_info(path) == info
+    assert loaded[0].shape == SHAPE and loaded[2].shape == OTHER
+    assert loaded[2].wq_b.weight.shape == (16, 12) and loaded[2].wk.weight.shape == (4, 12)
+    for layer, m in mods.items():
+        expected = round_to_stored_dtype_(m)
+        for name, p in loaded[layer].state_dict().items():
+            assert torch.equal(p, expected.state_dict()[name]), name
+    # A caller that expects one shape: refused for the layer that has another, fine for the others.
+    with pytest.raises(ValueError, match=r"layers \[2\] have shape .*heads=4.*expected .*heads=2"):
+        load_indexer_checkpoint(path, model_sha256=SHA_A, shape=SHAPE)
+    assert set(load_indexer_checkpoint(path, model_sha256=SHA_A, layers=[0], shape=SHAPE)[0]) == {0}
+    # Saving a module of the wrong shape for its layer is refused.
+    with pytest.raises(ValueError, match=r"projections\[2\].shape"):
+        save_indexer_checkpoint(tmp_path / "y.safetensors", {0: _module(5), 2: _module(6)}, info)
+
+
+def test_layer_shapes_refusals():
+    def info(**kw):
+        return IndexerCheckpointInfo(model_sha256=SHA_A, text_sha256=SHA_B, shape=SHAPE, layers=(0, 2),
+                                     steps={0: 1, 2: 1}, command="t", **kw)
+
+    with pytest.raises(ValueError, match=r"layer 1 is not one of the file's layers \[0, 2\]"):
+        info(layer_shapes={1: OTHER})
+    with pytest.raises(ValueError, match="the file's shape itself"):
+        info(layer_shapes={2: SHAPE})
+    wide = IndexerProjectionShape(heads=4, head_dim=4, rope_dim=4, hidden_size=16, q_input_size=16)
+    with pytest.raises(ValueError, match="reads inputs of 16 / 16 .* expected the file's 12 / 12"):
+        info(layer_shapes={2: wide})
+    with pytest.raises(ValueError, match=r"expected one of the file's layers \[0, 2\], got 1"):
+        info().shape_of(1)
+    raw = info(layer_shapes={2: OTHER}).to_json()
+    with pytest.raises(ValueError, match="src: format: 'topology_kv_indexer/1' with layer_shapes"):
+        IndexerCheckpointInfo.from_json({**raw, "format": "topology_kv_indexer/1"}, "src")
+    plain = info().to_json()
+    with pytest.raises(ValueError, match="src: format: 'topology_kv_indexer/2' without layer_shapes"):
+        IndexerCheckpointInfo.from_json({**plain, "format": "topology_kv_indexer/2"}, "src")
+    with pytest.raises(ValueError, match="src: metadata"):
+        IndexerCheckpointInfo.from_json({**raw, "layer_shapes": {"2": {"heads": 4}}}, "src")
+    with pytest.raises(ValueError, match="src: format: expected"):
+        IndexerCheckpointInfo.from_json({**plain, "format": "topology_kv_indexer/3"}, "src")
