@@ -119,6 +119,7 @@ class BatchRun:
     sparse: Tuple[int, ...]  # the layers with an indexer; the others are sliding-window layers
     window: Optional[int]  # those layers' window (tokens), None when every layer is sparse
     index_dims: Dict[int, int] = dataclasses.field(default_factory=dict)  # sparse layer -> its indexer key's dims
+    index_heads: Dict[int, int] = dataclasses.field(default_factory=dict)  # sparse layer -> its indexer's query heads
 
 
 @torch.no_grad()
@@ -156,6 +157,7 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
     sparse = sparse_layers(model)
     plans = {name: share_plan(name, sparse, None if profile is None else profile.profile) for name in variants}
     index_dims: Dict[int, int] = {}
+    index_heads: Dict[int, int] = {}
     for layer in attention_layers(model):
         dense_only = layer not in sparse  # a sliding-window layer: no indexer, no indexer keys
         if dense_only:
@@ -169,7 +171,7 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
         # A trained file may give this layer its own shape (the same cost per key): its keys, pool and drift.
         lshape = shape if trained is None or dense_only else layer_indexer_shape(trained[layer], H, D)
         if not dense_only:
-            index_dims[layer] = lshape.dim
+            index_dims[layer], index_heads[layer] = lshape.dim, lshape.heads
         index_cache = None if dense_only else IndexerKeyCache(torch.zeros(layout.num_blocks, pg, lshape.dim, device=dev))
         pool = LayerPools(torch.zeros(layout.num_blocks, pg, Hkv, D, device=dev),
                           torch.zeros(layout.num_blocks, pg, Hkv, D, device=dev), index_cache, proxy, layout)
@@ -215,7 +217,7 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
     cont = list(text[C:]) if next_n > 0 else None
     window = getattr(model.config, "sliding_window", None) if len(sparse) < len(attention_layers(model)) else None
     return BatchRun(layout, pools, states, first, cont, list(text), shape, width, prefill_s, shared_bytes,
-                    tuple(sparse), window, index_dims)
+                    tuple(sparse), window, index_dims, index_heads)
 
 
 def step_inputs(run: BatchRun, st: VariantState, tokens: torch.Tensor) -> Tuple[StepPlan, torch.Tensor, torch.Tensor]:

@@ -35,8 +35,10 @@ Row = Dict[str, object]
 
 
 def run_key(row: Row) -> Tuple[object, ...]:
-    """What makes rows of different runs comparable: proxy indexer preset and shape, budget."""
-    return (row.get("indexer_preset"), row.get("indexer_heads"), row.get("indexer_dim"), row.get("budget"))
+    """What makes rows of different runs comparable: proxy indexer preset and shape, budget, and
+    the layers a trained file gives another shape (last, so the first four stay in place)."""
+    return (row.get("indexer_preset"), row.get("indexer_heads"), row.get("indexer_dim"), row.get("budget"),
+            tuple(sorted((row.get("indexer_layer_shapes") or {}).items(), key=lambda kv: int(kv[0]))))
 
 
 def table_key(row: Row) -> Tuple[object, ...]:
@@ -281,9 +283,16 @@ def _md_row(r: Row) -> List[str]:
 
 def table_heading(row: Row) -> str:
     """The line above a table: indexer (trained, or the proxy's preset) and shape, budget, rows per request."""
-    preset, heads, dim, budget = run_key(row)
+    preset, heads, dim, budget = run_key(row)[:4]
     T = row["rows_per_request"]
     shape = f" ({_heads_dims(heads, dim)})" if heads is not None else ""
+    others: Dict[str, List[str]] = {}
+    for layer, hd in run_key(row)[4]:  # by layer
+        others.setdefault(hd, []).append(layer)
+    if others:  # a trained file with some layers at another shape of the same cost per key
+        shape = shape[:-1] + "; " + "; ".join(
+            f"layer{'s' if len(ls) > 1 else ''} {', '.join(ls)}: {_heads_dims(*map(int, hd.split('x')))}"
+            for hd, ls in others.items()) + ")"
     mode = ("1 row per request (greedy decode)" if T == 1 else
             f"{T} rows per request (--next-n {T - 1}, speculative verification)")
     kind = "Trained indexer" if preset == "trained" else "Untrained proxy indexer"
@@ -369,6 +378,8 @@ def merge_runs(payloads: Sequence[Tuple[str, Row]]) -> Row:
             raise ValueError(f"{source}: expected a topology_kv_decode_e2e --json file, missing keys {missing}")
         runs.append({"source": source, **{k: payload.get(k) for k in ("indexer", "settings", "environment", "model")}})
         for r in payload["rows"]:
+            if "indexer_layer_shapes" not in r and (payload["indexer"] or {}).get("layer_shapes"):
+                r = {**r, "indexer_layer_shapes": payload["indexer"]["layer_shapes"]}  # rows written before the field
             ident = row_identity(r)
             if ident in seen:
                 raise ValueError(f"{source}: row {ident} is also in {seen[ident]}; merge runs of different "

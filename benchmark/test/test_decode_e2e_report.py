@@ -67,6 +67,25 @@ def test_tables_are_grouped_by_indexer_and_rows_per_request():
     assert header == "| " + " | ".join(report.MARKDOWN_COLUMNS) + " |"
 
 
+def test_a_trained_file_with_layer_shapes_gets_its_own_table_naming_them():
+    trained = dict(indexer_preset="trained", indexer_heads=1, indexer_dim=64)
+    shaped = dict(trained, indexer_layer_shapes={"19": "4x16", "0": "4x16", "5": "2x32"})
+    rows = [{**row("dense", 2048, 1, 50.0), **trained}, {**row("learned", 2048, 1, 40.0), **trained},
+            {**row("dense", 2048, 1, 51.0), **shaped}, {**row("learned", 2048, 1, 41.0), **shaped}]
+    blocks = table_blocks(e2e.format_table(rows))
+    assert list(blocks) == [
+        "**Trained indexer `trained` (1 head x 64 dims), W = 1024, 1 row per request (greedy decode)**",
+        "**Trained indexer `trained` (1 head x 64 dims; layers 0, 19: 4 heads x 16 dims; layer 5: 2 heads x 32 dims), "
+        "W = 1024, 1 row per request (greedy decode)**",
+    ]
+    assert [len(b) for b in blocks.values()] == [2, 2]  # the files' rows are not paired with each other
+    # A run written before rows carried the field: its run-level record names the layers.
+    old = payload([{**row("learned", 2048, 1, 41.0), **trained}], indexer=("trained", 1, 64))
+    old["indexer"]["layer_shapes"] = {"0": "4x16"}
+    merged = report.merge_runs([("old.json", old)])
+    assert merged["rows"][0]["indexer_layer_shapes"] == {"0": "4x16"}
+
+
 def test_targets_pair_compress_with_learned_of_its_own_preset():
     rows = [row("dense", 8192, 8, 100.0), row("topology_only_noscan", 8192, 8, 70.0),
             row("learned", 8192, 1, 50.0), row("learned+topology_compress_sparse", 8192, 1, 50.5),
