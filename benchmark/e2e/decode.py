@@ -112,14 +112,13 @@ class BatchRun:
     first_tokens: List[int]  # dense greedy token after each request's prefill
     continuation: Optional[List[int]]  # text tokens after position C (multi-row mode)
     text: List[int]
-    shape: IndexerShape  # the run's indexer; a trained file may give some layers another (``index_dims``)
+    shape: IndexerShape  # the run's indexer; a trained file may give some layers another (``layer_shapes``)
     width: int
     prefill_s: float
     shared_bytes: int
     sparse: Tuple[int, ...]  # the layers with an indexer; the others are sliding-window layers
     window: Optional[int]  # those layers' window (tokens), None when every layer is sparse
-    index_dims: Dict[int, int] = dataclasses.field(default_factory=dict)  # sparse layer -> its indexer key's dims
-    index_heads: Dict[int, int] = dataclasses.field(default_factory=dict)  # sparse layer -> its indexer's query heads
+    layer_shapes: Dict[int, IndexerShape] = dataclasses.field(default_factory=dict)  # sparse layer -> its shape
 
 
 @torch.no_grad()
@@ -156,8 +155,7 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
     own_req, own_pos = req[~in_shared], pos[~in_shared]  # each variant's private partial blocks
     sparse = sparse_layers(model)
     plans = {name: share_plan(name, sparse, None if profile is None else profile.profile) for name in variants}
-    index_dims: Dict[int, int] = {}
-    index_heads: Dict[int, int] = {}
+    layer_shapes: Dict[int, IndexerShape] = {}
     for layer in attention_layers(model):
         dense_only = layer not in sparse  # a sliding-window layer: no indexer, no indexer keys
         if dense_only:
@@ -171,7 +169,7 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
         # A trained file may give this layer its own shape (the same cost per key): its keys, pool and drift.
         lshape = shape if trained is None or dense_only else layer_indexer_shape(trained[layer], H, D)
         if not dense_only:
-            index_dims[layer], index_heads[layer] = lshape.dim, lshape.heads
+            layer_shapes[layer] = lshape
         index_cache = None if dense_only else IndexerKeyCache(torch.zeros(layout.num_blocks, pg, lshape.dim, device=dev))
         pool = LayerPools(torch.zeros(layout.num_blocks, pg, Hkv, D, device=dev),
                           torch.zeros(layout.num_blocks, pg, Hkv, D, device=dev), index_cache, proxy, layout)
@@ -217,7 +215,7 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
     cont = list(text[C:]) if next_n > 0 else None
     window = getattr(model.config, "sliding_window", None) if len(sparse) < len(attention_layers(model)) else None
     return BatchRun(layout, pools, states, first, cont, list(text), shape, width, prefill_s, shared_bytes,
-                    tuple(sparse), window, index_dims, index_heads)
+                    tuple(sparse), window, layer_shapes)
 
 
 def step_inputs(run: BatchRun, st: VariantState, tokens: torch.Tensor) -> Tuple[StepPlan, torch.Tensor, torch.Tensor]:
@@ -287,7 +285,7 @@ def decode_step(model, run: BatchRun, st: VariantState, tokens: torch.Tensor, me
             "dense_read_tokens": kv_after * n_dense + window_read,
             "scanned_keys": kv_after * n_scan,  # the indexer reads each request's keys once
             # 1-byte fp8 keys of each scanning layer's own width
-            "scanned_key_bytes": kv_after * sum(run.index_dims.get(layer, run.shape.dim) for layer in scanning),
+            "scanned_key_bytes": kv_after * sum(run.layer_shapes.get(layer, run.shape).dim for layer in scanning),
             "step_peak_bytes": mem,
             # host pages the step took fresh from the OS (None off Unix, and on the step whose
             # memory is measured: its malloc_trim hands pages back first)

@@ -283,11 +283,11 @@ def _md_row(r: Row) -> List[str]:
 
 def table_heading(row: Row) -> str:
     """The line above a table: indexer (trained, or the proxy's preset) and shape, budget, rows per request."""
-    preset, heads, dim, budget = run_key(row)[:4]
+    preset, heads, dim, budget, layer_shapes = run_key(row)
     T = row["rows_per_request"]
     shape = f" ({_heads_dims(heads, dim)})" if heads is not None else ""
     others: Dict[str, List[str]] = {}
-    for layer, hd in run_key(row)[4]:  # by layer
+    for layer, hd in layer_shapes:  # by layer
         others.setdefault(hd, []).append(layer)
     if others:  # a trained file with some layers at another shape of the same cost per key
         shape = shape[:-1] + "; " + "; ".join(

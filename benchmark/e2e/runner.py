@@ -85,8 +85,8 @@ def summarize(variant: str, run: BatchRun, rec: Dict[str, list], Hkv: int, D: in
         "indexer_heads": run.shape.heads,
         "indexer_dim": run.shape.dim,
         # layers whose trained indexer has another shape (the same cost per key): layer -> "HxD"
-        "indexer_layer_shapes": {str(x): f"{run.index_heads[x]}x{d}" for x, d in sorted(run.index_dims.items())
-                                 if (run.index_heads[x], d) != (run.shape.heads, run.shape.dim)},
+        "indexer_layer_shapes": {str(x): f"{s.heads}x{s.dim}" for x, s in sorted(run.layer_shapes.items())
+                                 if (s.heads, s.dim) != (run.shape.heads, run.shape.dim)},
         "steps": len(steps),
         "step_ms_median": med,
         "step_ms": totals,  # per timed step, in decode order (steps of every variant interleave)

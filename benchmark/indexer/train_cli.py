@@ -149,40 +149,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_layer_shapes(values: List[str]) -> List[Tuple[Tuple[int, ...], str, Optional[int]]]:
-    """``--layer-shape`` values ``LAYERS=HxD[:ROPE]`` -> ``[(layers, "HxD", rope or None)]``;
-    ValueError naming the flag, the value and the expected form (a layer at most once)."""
+def _layer_assignments(flag: str, values: List[str], value_re: str, form: str,
+                       what: str) -> List[Tuple[Tuple[int, ...], "re.Match"]]:
+    """``LAYERS=VALUE`` flag values -> ``[(layers, match of VALUE)]``; ValueError naming ``flag``,
+    the value and ``form`` for a malformed one, or the layers given ``what`` more than once."""
     out, seen = [], set()
     for text in values:
-        form = f"--layer-shape: expected LAYERS=HxD[:ROPE] (e.g. 0,19=4x16:16), got {shown(text)}"
-        m = re.fullmatch(r"\s*([0-9]+(?:\s*,\s*[0-9]+)*)\s*=\s*([0-9]+x[0-9]+)\s*(?::\s*([0-9]+))?\s*", text)
+        m = re.fullmatch(r"\s*([0-9]+(?:\s*,\s*[0-9]+)*)\s*=\s*" + value_re + r"\s*", text)
         if m is None:
-            raise ValueError(form)
+            raise ValueError(f"{flag}: expected {form}, got {shown(text)}")
         layers = tuple(int(x) for x in m.group(1).split(","))
-        shape = parse_shape(m.group(2))
         twice = sorted(seen.intersection(layers)) or sorted({x for x in layers if layers.count(x) > 1})
         if twice:
-            raise ValueError(f"--layer-shape: layers {twice} are given a shape more than once")
+            raise ValueError(f"{flag}: layers {twice} are given {what} more than once")
         seen.update(layers)
-        out.append((layers, shape, None if m.group(3) is None else int(m.group(3))))
+        out.append((layers, m))
     return out
+
+
+def parse_layer_shapes(values: List[str]) -> List[Tuple[Tuple[int, ...], str, Optional[int]]]:
+    """``--layer-shape`` values ``LAYERS=HxD[:ROPE]`` -> ``[(layers, "HxD", rope or None)]``."""
+    pairs = _layer_assignments("--layer-shape", values, r"([0-9]+x[0-9]+)\s*(?::\s*([0-9]+))?",
+                               "LAYERS=HxD[:ROPE] (e.g. 0,19=4x16:16)", "a shape")
+    return [(layers, parse_shape(m.group(2)), None if m.group(3) is None else int(m.group(3))) for layers, m in pairs]
 
 
 def parse_layer_steps(values: List[str]) -> List[Tuple[Tuple[int, ...], int]]:
-    """``--layer-steps`` values ``LAYERS=N`` -> ``[(layers, N)]``; ValueError naming the flag,
-    the value and the expected form (N >= 1, a layer at most once)."""
-    out, seen = [], set()
-    for text in values:
-        m = re.fullmatch(r"\s*([0-9]+(?:\s*,\s*[0-9]+)*)\s*=\s*([0-9]+)\s*", text)
-        if m is None or int(m.group(2)) < 1:
-            raise ValueError(f"--layer-steps: expected LAYERS=N with N >= 1 (e.g. 0=1200), got {shown(text)}")
-        layers = tuple(int(x) for x in m.group(1).split(","))
-        twice = sorted(seen.intersection(layers)) or sorted({x for x in layers if layers.count(x) > 1})
-        if twice:
-            raise ValueError(f"--layer-steps: layers {twice} are given steps more than once")
-        seen.update(layers)
-        out.append((layers, int(m.group(2))))
-    return out
+    """``--layer-steps`` values ``LAYERS=N`` (N >= 1) -> ``[(layers, N)]``."""
+    pairs = _layer_assignments("--layer-steps", values, r"([1-9][0-9]*)", "LAYERS=N with N >= 1 (e.g. 0=1200)", "steps")
+    return [(layers, int(m.group(2))) for layers, m in pairs]
 
 
 def resolve_layer_shapes(base: IndexerProjectionShape, overrides, layers: List[int], *, heads: int, head_dim: int,

@@ -277,7 +277,7 @@ def test_a_layer_with_its_own_indexer_shape_gets_its_own_key_width(loaded, text)
     for width, exact in ((CONTEXT + 8, True), (64, False)):
         run = e2e.build_batch(loaded.model, text, lens, variants, 2, 0, width, base,
                               (*prefilled, [n - 1 for n in lens]), trained)
-        assert run.index_dims == {0: 64, 1: 16}
+        assert {x: (s.heads, s.dim) for x, s in run.layer_shapes.items()} == {0: (1, 64), 1: (4, 16)}
         st = run.states["learned"]
         for layer, pools in run.pools.items():
             assert pools.index_cache.k_cache.shape[-1] == shapes[layer].head_dim
