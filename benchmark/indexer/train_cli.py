@@ -473,23 +473,16 @@ def evaluate(args, lm, corpus, layers, projections, progress: bool):
     return out
 
 
-SHARE_FRACTIONS = (Fraction(1, 2), Fraction(1, 4))
+def share_costs(costs: Dict[int, float]) -> Dict[str, object]:
+    """``costs[layer]``: the recall at 1/16 a layer loses by reusing the rows of the layer
+    below (0 for the first), and the layers ranked by it, most first (ties: the lower).
 
-
-def share_choice(costs: Dict[int, float], fractions=SHARE_FRACTIONS) -> Dict[str, object]:
-    """Which layers should scan when only a fraction of them may: ``costs[layer]`` is the
-    recall at 1/16 a layer loses by reusing the rows of the layer below (0 for the first).
-    The first layer always scans; the others scan in order of decreasing cost (a greedy
-    choice on the adjacent-layer cost, as IndexCache ranks layers). Per fraction: the
-    scanning layers and the ``RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE`` value that serves them."""
+    A diagnostic, not a scanning set: a layer that shares reuses the nearest *scanning*
+    layer below it, which the adjacent cost does not price; the calibration
+    (``topology_kv_calibrate.py --scan``) measures every pair and chooses the set."""
     layers = sorted(costs)
-    ranked = sorted(layers[1:], key=lambda x: (-costs[x], x))
-    out: Dict[str, object] = {"cost_1_16": {str(x): costs[x] for x in layers}, "ranked": ranked}
-    for f in fractions:
-        n = max(1, round(len(layers) * f))
-        scanning = sorted([layers[0]] + ranked[: n - 1])
-        out[f"scan {f}"] = {"layers": scanning, "env": ",".join(str(x) for x in scanning)}
-    return out
+    return {"cost_1_16": {str(x): costs[x] for x in layers},
+            "ranked": sorted(layers[1:], key=lambda x: (-costs[x], x))}
 
 
 def summarize(evaluation) -> Dict[str, Dict[str, object]]:
@@ -514,8 +507,8 @@ def summarize(evaluation) -> Dict[str, Dict[str, object]]:
                         s[f"newest_ties_layers_below_{null}"] = [
                             x for x in layers if any(layers[x][NEWEST_TIES][b] < layers[x][null][b] for b in budgets)]
         if REUSE_BELOW in methods:
-            s["share"] = share_choice({x: layers[x]["trained"]["1/16"] - layers[x][REUSE_BELOW]["1/16"]
-                                       for x in layers})
+            s["share"] = share_costs({x: layers[x]["trained"]["1/16"] - layers[x][REUSE_BELOW]["1/16"]
+                                      for x in layers})
         out[name] = s
     return out
 
@@ -549,9 +542,9 @@ def markdown(evaluation, summary) -> str:
             lines += ["", f"`{REUSE_BELOW}`: each layer ranked with the rows of the full-attention layer below it "
                           "(a shared indexer scan; the first layer's own). Layers by recall lost at 1/16, most first: "
                           + ", ".join(f"{x} ({s['share']['cost_1_16'][str(x)]:+.3f})" for x in s["share"]["ranked"])]
-            for f in SHARE_FRACTIONS:
-                pick = s["share"][f"scan {f}"]
-                lines.append(f"- scan {f} of the layers: `RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE={pick['env']}`")
+            lines.append("- a diagnostic, not a scanning set: a sharing layer reuses the nearest scanning layer below "
+                         "it; `python benchmark/topology_kv_calibrate.py --scan K` measures every pair and chooses "
+                         "the set (`RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=profile`)")
         lines.append("")
     return "\n".join(lines)
 

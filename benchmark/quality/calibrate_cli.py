@@ -29,15 +29,14 @@ from benchmark.quality.calibration import (
     CalibrationSettings,
     calibrate,
     format_guard,
-    format_scanning,
     format_table,
     parse_components,
     plot_shares,
-    rescan_profile,
 )
 from benchmark.cli_checks import FlagError, check_gguf, check_output_dir, is_file, shown
 from benchmark.progress import NO_PROGRESS_HELP
 from benchmark.quality.cli import _int_list, limit_heap_fragmentation, parse_budget
+from benchmark.quality.scan_choice import format_scanning, rescan_profile
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.paths import default_data_dir, user_path
 from benchmark.quality.text import NOVELS, ensure_austen_text, load_text_file, sample_windows
@@ -90,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the trained indexer the merge modes start from (default: the one shipped for the model)")
     p.add_argument("--scan", default=None, metavar="K",
                    help="also choose which sparse layers run the indexer when the others share it: K layers, or a "
-                        "fraction such as 1/4 of them (rounded, at least 1); ranked by what reusing the layer "
-                        "below costs each layer's output, written into the profile's indexer_share (served with "
+                        "fraction such as 1/4 of them (rounded, at least 1): the first sparse layer and the set that "
+                        "least raises the others' output error, each reusing the nearest scanning layer below it "
+                        "(every layer's cost of reusing every layer below is measured), written into the profile's indexer_share (served with "
                         "RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=profile); merge modes only")
     p.add_argument("--rescan", default=None, metavar="PROFILE",
                    help="re-choose the scanning set of PROFILE (calibrated with --scan) for this --scan from the "

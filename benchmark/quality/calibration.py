@@ -40,20 +40,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 import time
 from fractions import Fraction
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from benchmark.cli_checks import shown
 from benchmark.quality.index_rows import dense_rows, rows_to_mask
 from benchmark.quality.layer import DEFAULT_QUERY_CHUNK, LayerInputs, masked_softmax
 from benchmark.quality.metrics import attention_recall, measured_rows, output_cos_diff
 from benchmark.quality.model import LoadedModel
 from benchmark.quality.paths import shown_path
 from benchmark.quality.policy_selectors import PolicySettings, make_policy_selector
+from benchmark.quality.scan_choice import pick_scanning
 from benchmark.quality.selector_base import SelectorSettings, learned_rows_and_scores
 from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan
 from benchmark.quality.text import TextWindow
@@ -145,7 +144,7 @@ class CalibrationSettings:
         for topology_only), ``key_drift`` or ``recency``: what serving can compute
     scan : how many sparse layers run the indexer when the others share it (the model-level
         budget "scan K of N"; None: no scanning set). The calibration then also measures what
-        each layer loses by reusing the learned rows of the sparse layer below it and writes
+        each layer loses by reusing the learned rows of every sparse layer below it and writes
         the scanning set into the profile's ``indexer_share`` (merge modes only;
         :func:`choose_scanning`)
     """
@@ -288,7 +287,9 @@ def candidate_rows(
     return out
 
 
-REUSE_BELOW = "reuse-below"  # the learned rows of the sparse layer below (a shared scan), measured with --scan
+def reuse_name(source: int) -> str:
+    """The measured rows of a layer reusing the learned rows of sparse layer ``source`` (a shared scan)."""
+    return f"reuse:{source}"
 
 
 def top_k_overlap(own: torch.Tensor, other: torch.Tensor, layer: LayerInputs) -> Tuple[float, int]:
@@ -304,19 +305,21 @@ def top_k_overlap(own: torch.Tensor, other: torch.Tensor, layer: LayerInputs) ->
 @dataclasses.dataclass
 class Measurements:
     """``sums[(layer, budget, context, candidate)] = [cos_diff sum, recall sum, rows]``;
-    ``overlap[(layer, budget, context)] = [top-k overlap sum with the layer below, rows]``."""
+    ``overlap[(layer, source, budget, context)] = [top-k overlap sum with the learned rows of
+    sparse layer ``source`` below, rows]``."""
 
     sums: Dict[Tuple[int, Fraction, int, str], List[float]] = dataclasses.field(default_factory=dict)
-    overlap: Dict[Tuple[int, Fraction, int], List[float]] = dataclasses.field(default_factory=dict)
+    overlap: Dict[Tuple[int, int, Fraction, int], List[float]] = dataclasses.field(default_factory=dict)
 
-    def add_overlap(self, layer: int, budget: Fraction, context: int, values: Tuple[float, int]) -> None:
-        s = self.overlap.setdefault((layer, budget, context), [0.0, 0])
+    def add_overlap(self, layer: int, source: int, budget: Fraction, context: int,
+                    values: Tuple[float, int]) -> None:
+        s = self.overlap.setdefault((layer, source, budget, context), [0.0, 0])
         s[0] += values[0]
         s[1] += values[1]
 
-    def mean_overlap(self, layer: int, budget: Fraction, contexts: Sequence[int]) -> float:
+    def mean_overlap(self, layer: int, source: int, budget: Fraction, contexts: Sequence[int]) -> float:
         """Each context's mean top-k overlap, then the mean over contexts (NaN: not measured)."""
-        per = [self.overlap.get((layer, budget, c)) for c in contexts]
+        per = [self.overlap.get((layer, source, budget, c)) for c in contexts]
         per = [s for s in per if s and s[1]]
         return sum(s[0] / s[1] for s in per) / len(per) if per else float("nan")
 
@@ -354,7 +357,8 @@ def measure(
     out = Measurements()
     for context in settings.contexts:
         for wi, window in enumerate(windows[context]):
-            below: Dict[Fraction, torch.Tensor] = {}  # budget -> the previous sparse layer's learned rows
+            # budget -> (layer, learned rows) of every sparse layer measured so far (with a scan set)
+            below: Dict[Fraction, List[Tuple[int, torch.Tensor]]] = {}
 
             def spy(layer: LayerInputs, width: int, stats) -> torch.Tensor:
                 for budget in settings.budgets:
@@ -362,12 +366,14 @@ def measure(
                     bar.set_postfix_str(f"ctx {context} win {wi} layer {layer.layer_idx} W {w}")
                     rows = candidate_rows(layer, w, settings, candidates)
                     own = rows[candidates[0].name]
-                    if settings.scan is not None and budget in below:
-                        rows[REUSE_BELOW] = below[budget]
-                        out.add_overlap(layer.layer_idx, budget, context, top_k_overlap(own, below[budget], layer))
+                    if settings.scan is not None:
+                        for source, reused in below.get(budget, ()):
+                            rows[reuse_name(source)] = reused
+                            out.add_overlap(layer.layer_idx, source, budget, context,
+                                            top_k_overlap(own, reused, layer))
+                        below.setdefault(budget, []).append((layer.layer_idx, own))
                     for name, values in candidate_errors(layer, rows, w, settings.metric_stride).items():
                         out.add(layer.layer_idx, budget, context, name, values)
-                    below[budget] = own
                     bar.update()
                 return dense_rows(layer.lengths, width)  # the forward itself stays dense
 
@@ -422,12 +428,12 @@ def choose(measurements: Measurements, layers: Sequence[int], settings: Calibrat
 def choose_scanning(measurements: Measurements, layers: Sequence[int], settings: CalibrationSettings) -> Dict[str, object]:
     """The profile's ``indexer_share``: which ``settings.scan`` sparse layers run the indexer.
 
-    A layer's cost is what reusing the learned rows of the sparse layer below costs its
-    output: ``cos_diff(reuse-below) - cos_diff(own learned rows)``, the mean over the
-    calibrated budgets (each the mean over contexts), as IndexCache ranks layers by their
-    adjacent-layer loss. The first sparse layer always scans (nothing is below it); the
-    others scan in order of decreasing cost (ties: the lower layer), ``scan - 1`` of them.
-    The top-k overlap with the layer below is recorded beside the cost.
+    The cost of layer ``i`` reusing sparse layer ``j`` below it is
+    ``cos_diff(reuse:j) - cos_diff(own learned rows)``, the mean over the calibrated budgets
+    (each the mean over contexts), as IndexCache ranks layers by their output loss; the
+    set is :func:`~benchmark.quality.scan_choice.pick_scanning`'s least-cost one (each
+    sharing layer priced by the scanning layer it actually reuses). The top-k overlaps are
+    recorded beside the costs.
     """
     layers = sorted(layers)
     if settings.scan is None:
@@ -435,97 +441,25 @@ def choose_scanning(measurements: Measurements, layers: Sequence[int], settings:
     if settings.scan > len(layers):
         raise ValueError(f"scan: expected at most the {len(layers)} sparse layers, got {settings.scan}")
     baseline = settings.candidates()[0].name
-    cost: Dict[int, float] = {}
-    overlap: Dict[int, float] = {}
-    for layer in layers[1:]:
-        deltas = []
-        for b in settings.budgets:
-            reused = measurements.mean(layer, b, REUSE_BELOW, settings.contexts)[0]
-            own = measurements.mean(layer, b, baseline, settings.contexts)[0]
-            if reused == reused and own == own:
-                deltas.append(reused - own)
-        cost[layer] = sum(deltas) / len(deltas) if deltas else float("nan")
-        per = [measurements.mean_overlap(layer, b, settings.contexts) for b in settings.budgets]
-        per = [v for v in per if v == v]
-        overlap[layer] = sum(per) / len(per) if per else float("nan")
-    unmeasured = [x for x, c in cost.items() if c != c]
+    cost: Dict[int, Dict[int, float]] = {}
+    overlap: Dict[int, Dict[int, float]] = {}
+    for pos, layer in enumerate(layers):
+        for source in layers[:pos]:
+            deltas = []
+            for b in settings.budgets:
+                reused = measurements.mean(layer, b, reuse_name(source), settings.contexts)[0]
+                own = measurements.mean(layer, b, baseline, settings.contexts)[0]
+                if reused == reused and own == own:
+                    deltas.append(reused - own)
+            cost.setdefault(layer, {})[source] = sum(deltas) / len(deltas) if deltas else float("nan")
+            per = [measurements.mean_overlap(layer, source, b, settings.contexts) for b in settings.budgets]
+            per = [v for v in per if v == v]
+            overlap.setdefault(layer, {})[source] = sum(per) / len(per) if per else float("nan")
+    unmeasured = sorted({x for x, row in cost.items() if any(c != c for c in row.values())})
     if unmeasured:
         raise ValueError(f"scan: layers {unmeasured} have no measured row at any budget (every row dense); "
                          f"calibrate a longer context")
     return pick_scanning(cost, overlap, layers, settings.scan)
-
-
-def pick_scanning(cost: Dict[int, float], overlap: Dict[int, float], layers: Sequence[int],
-                  scan: int) -> Dict[str, object]:
-    """``indexer_share`` from per-layer reuse costs: the first layer, then the ``scan - 1`` costliest.
-
-    ``cost`` and ``overlap`` hold every sparse layer but the first (``choose_scanning``'s
-    measurements, or a profile's recorded ``cost_cos_diff`` / ``overlap`` when only the
-    number of scanning layers changes). Ties go to the lower layer.
-    """
-    layers = sorted(layers)
-    if not 1 <= scan <= len(layers):
-        raise ValueError(f"scan: expected 1 to the {len(layers)} sparse layers, got {scan}")
-    missing = [x for x in layers[1:] if x not in cost or x not in overlap]
-    if missing:
-        raise ValueError(f"scan: expected a reuse cost and overlap for every sparse layer after the first, "
-                         f"missing layers {missing}")
-    ranked = sorted(layers[1:], key=lambda x: (-cost[x], x))
-    scanning = sorted([layers[0]] + ranked[: scan - 1])
-    return {
-        "scanning": scanning,
-        "scan": f"{scan} of {len(layers)}",
-        "rule": "the first sparse layer, then the layers whose output loses most (cos_diff, mean over the budgets) "
-                "by reusing the learned rows of the sparse layer below",
-        "ranked": ranked,
-        "cost_cos_diff": {str(x): cost[x] for x in layers[1:]},
-        "overlap": {str(x): overlap[x] for x in layers[1:]},
-        "env": "RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=profile",
-    }
-
-
-def rescan_profile(data: Dict[str, object], layers: Sequence[int], scan: int, command: str) -> Dict[str, object]:
-    """A copy of the profile JSON ``data`` whose ``indexer_share`` scans ``scan`` layers.
-
-    The choice reuses the costs and overlaps the calibration recorded (``pick_scanning``);
-    nothing else changes except ``indexer_share.command``, the command that re-chose it.
-    ``ValueError`` when ``data`` holds no recorded costs (a profile calibrated without
-    ``--scan``) or they do not cover ``layers``.
-    """
-    share = data.get("indexer_share")
-    if not isinstance(share, dict) or not isinstance(share.get("cost_cos_diff"), dict) \
-            or not isinstance(share.get("overlap"), dict):
-        raise ValueError("expected a profile calibrated with --scan (its indexer_share.cost_cos_diff and .overlap "
-                         "hold each layer's reuse cost), got " +
-                         ("no indexer_share" if not isinstance(share, dict) else "an indexer_share without them"))
-    per = {}
-    for name in ("cost_cos_diff", "overlap"):
-        values = {}
-        for key, value in share[name].items():
-            if not re.fullmatch(r"[0-9]{1,6}", str(key)) or isinstance(value, bool) \
-                    or not isinstance(value, (int, float)) or value != value:
-                raise ValueError(f"indexer_share.{name}: expected layer index -> number, got {shown(key)}: "
-                                 f"{shown(value)}")
-            values[int(key)] = float(value)
-        per[name] = values
-    out = dict(data)
-    out["indexer_share"] = dict(pick_scanning(per["cost_cos_diff"], per["overlap"], layers, scan), command=command)
-    return out
-
-
-def format_scanning(profile: Dict[str, object]) -> str:
-    """The ``indexer_share`` choice as a table: per sparse layer, its reuse cost, overlap, scans."""
-    share = profile["indexer_share"]
-    lines = [f"\nScanning layers ({share['scan']}): {','.join(map(str, share['scanning']))} "
-             f"(serve with {share['env']})", "",
-             "| layer | cos_diff lost reusing the layer below | top-k overlap with the layer below | scans |",
-             "|---|---|---|---|"]
-    first = min(int(x) for x in profile["layers"])
-    lines.append(f"| {first} | - (first sparse layer) | - | yes |")
-    for x, cost in sorted(share["cost_cos_diff"].items(), key=lambda kv: int(kv[0])):
-        lines.append(f"| {x} | {cost:+.5f} | {share['overlap'][x]:.3f} | "
-                     f"{'yes' if int(x) in share['scanning'] else 'no'} |")
-    return "\n".join(lines)
 
 
 def model_fingerprint(lm: LoadedModel) -> ModelFingerprint:

@@ -6,6 +6,7 @@ random model into a profile that the engine's loader and ``Indexer`` accept.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from fractions import Fraction
@@ -13,6 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 
 from benchmark.quality.calibration import (
     Candidate,
@@ -470,34 +474,52 @@ def test_the_guard_on_a_real_forward_reverts_exactly_the_budgets_it_reports(tmp_
     load_topology_profile(path, model_fingerprint=model_fingerprint(lm))
 
 
+# cost[i][j]: what layer i loses reusing layer j's rows. Reusing the layer below is cheap for
+# 1, 3 and 4 (0.01) and dearest for 6 (0.05), but 3 reusing 0 costs 0.10: ranking by the
+# layer below alone would scan {0, 6, 1} (summed cost 0.03, 3 and 4 reusing 1); {0, 3, 6}
+# costs 0.02 (1 reuses 0, 4 reuses 3). Every set of three, by hand: {0,1,3} 0.07, {0,1,4}
+# 0.06, {0,1,6} 0.03, {0,3,4} 0.06, {0,3,6} 0.02, {0,4,6} 0.11.
+HAND_COSTS = {
+    1: {0: 0.01},
+    3: {0: 0.10, 1: 0.01},
+    4: {0: 0.12, 1: 0.02, 3: 0.01},
+    6: {0: 0.20, 1: 0.07, 3: 0.06, 4: 0.05},
+}
+
+
 def _measured_costs(costs, overlaps=None, budgets=(Fraction(1, 8), Fraction(1, 4)), context=128):
-    """Measurements whose layer ``x`` loses ``costs[x]`` cos_diff by reusing the layer below
-    (at every budget) and keeps ``overlaps[x]`` of its top-k."""
-    from benchmark.quality.calibration import REUSE_BELOW, Measurements
+    """Measurements whose layer ``i`` loses ``costs[i][j]`` cos_diff by reusing layer ``j``'s
+    rows (at every budget) and keeps ``overlaps[i][j]`` (default 0.5) of its top-k."""
+    from benchmark.quality.calibration import Measurements, reuse_name
 
     m = Measurements()
-    for x, c in costs.items():
+    for i, row in costs.items():
         for b in budgets:
-            m.add(x, b, context, "learned", (0.1 * 10, 0.0, 10))
-            m.add(x, b, context, REUSE_BELOW, ((0.1 + c) * 10, 0.0, 10))
-            m.add_overlap(x, b, context, ((overlaps or {}).get(x, 0.5) * 10, 10))
+            m.add(i, b, context, "learned", (0.1 * 10, 0.0, 10))
+            for j, c in row.items():
+                m.add(i, b, context, reuse_name(j), ((0.1 + c) * 10, 0.0, 10))
+                m.add_overlap(i, j, b, context, ((overlaps or {}).get((i, j), 0.5) * 10, 10))
     return m
 
 
-def test_the_scanning_set_is_the_first_layer_and_the_costliest_reusers():
+def test_the_scanning_set_is_the_least_cost_set_with_each_layer_priced_by_the_layer_it_reuses():
     from benchmark.quality.calibration import choose_scanning
 
     settings = dataclasses.replace(SMALL, contexts=(128,), budgets=(Fraction(1, 8), Fraction(1, 4)), scan=3)
     layers = (0, 1, 3, 4, 6)
-    # layer 0 has nothing below it; 3 and 6 tie at the top cost: both scan, then 4 is out.
-    m = _measured_costs({1: 0.01, 3: 0.05, 4: 0.02, 6: 0.05}, overlaps={1: 0.9, 3: 0.4})
+    m = _measured_costs(HAND_COSTS, overlaps={(1, 0): 0.9, (4, 3): 0.4})
     share = choose_scanning(m, layers, settings)
-    assert share["scanning"] == [0, 3, 6] and share["ranked"] == [3, 6, 4, 1] and share["scan"] == "3 of 5"
-    assert share["cost_cos_diff"]["3"] == pytest.approx(0.05) and share["overlap"]["1"] == pytest.approx(0.9)
-    tie = choose_scanning(m, layers, dataclasses.replace(settings, scan=2))
-    assert tie["scanning"] == [0, 3]  # equal costs: the lower layer first
-    assert choose_scanning(m, layers, dataclasses.replace(settings, scan=1))["scanning"] == [0]
-    assert choose_scanning(m, layers, dataclasses.replace(settings, scan=5))["scanning"] == list(layers)
+    assert share["scanning"] == [0, 3, 6] and share["scan"] == "3 of 5"
+    assert share["total_cost_cos_diff"] == pytest.approx(0.02) and share["sources"] == {"1": 0, "4": 3}
+    assert share["reuse_cost_cos_diff"]["4"]["0"] == pytest.approx(0.12) and set(share["reuse_cost_cos_diff"]["6"]) == {"0", "1", "3", "4"}
+    assert share["reuse_overlap"]["1"]["0"] == pytest.approx(0.9) and share["reuse_overlap"]["4"]["3"] == pytest.approx(0.4)
+    two = choose_scanning(m, layers, dataclasses.replace(settings, scan=2))  # {0,1} .10, {0,3} .08, {0,4} .16, {0,6} .23
+    assert two["scanning"] == [0, 3] and two["total_cost_cos_diff"] == pytest.approx(0.08)
+    one = choose_scanning(m, layers, dataclasses.replace(settings, scan=1))
+    assert one["scanning"] == [0] and one["total_cost_cos_diff"] == pytest.approx(0.43)
+    assert one["sources"] == {"1": 0, "3": 0, "4": 0, "6": 0}
+    every = choose_scanning(m, layers, dataclasses.replace(settings, scan=5))
+    assert every["scanning"] == list(layers) and every["total_cost_cos_diff"] == 0 and every["sources"] == {}
     with pytest.raises(ValueError, match="scan: expected at most the 5 sparse layers, got 6"):
         choose_scanning(m, layers, dataclasses.replace(settings, scan=6))
     with pytest.raises(ValueError, match=r"scan: layers \[7\] have no measured row"):
@@ -506,6 +528,47 @@ def test_the_scanning_set_is_the_first_layer_and_the_costliest_reusers():
         dataclasses.replace(settings, scan=0)
     with pytest.raises(ValueError, match="scan: expected no scanning set for topology_only"):
         dataclasses.replace(settings, policy="topology_only")
+
+
+def test_equal_cost_sets_are_broken_the_same_way_every_time():
+    from benchmark.quality.scan_choice import best_scanning_set
+
+    flat = {i: {j: 0.01 for j in range(i)} for i in range(1, 9)}
+    first = best_scanning_set(flat, range(9), 4)
+    assert first[1] == pytest.approx(0.05) and first[0][0] == 0 and len(set(first[0])) == 4
+    assert all(best_scanning_set(flat, range(9), 4) == first for _ in range(3))
+
+
+@hyp_settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_the_scanning_set_is_the_least_cost_one_of_all_sets(data):
+    from benchmark.quality.scan_choice import best_scanning_set, sources_of
+
+    n = data.draw(st.integers(1, 7), label="layers")
+    layers = sorted(data.draw(st.sets(st.integers(0, 40), min_size=n, max_size=n), label="indices"))
+    scan = data.draw(st.integers(1, n), label="scan")
+    value = st.floats(-0.05, 0.2, allow_nan=False, allow_infinity=False)
+    cost = {i: {j: data.draw(value) for j in layers[:p]} for p, i in enumerate(layers) if p}
+    chosen, total = best_scanning_set(cost, layers, scan)
+    assert len(chosen) == scan and chosen[0] == layers[0] and set(chosen) <= set(layers)
+
+    def priced(subset):
+        return sum(cost[x][s] for x, s in sources_of(subset, layers).items())
+
+    assert total == pytest.approx(priced(chosen), abs=1e-12)
+    brute = min(priced([layers[0], *rest]) for rest in itertools.combinations(layers[1:], scan - 1))
+    assert total <= brute + 1e-12
+
+
+def test_the_scan_choice_refuses_missing_or_non_finite_costs():
+    from benchmark.quality.scan_choice import best_scanning_set
+
+    with pytest.raises(ValueError, match=r"missing \(layer<-source\) 4<-0"):
+        best_scanning_set({1: {0: 0.1}, 4: {1: 0.2}}, (0, 1, 4), 2)
+    with pytest.raises(ValueError, match=r"got NaN or inf for \(layer<-source\) 4<-1"):
+        best_scanning_set({1: {0: 0.1}, 4: {0: 0.1, 1: float("nan")}}, (0, 1, 4), 2)
+    with pytest.raises(ValueError, match="scan: expected 1 to the 3 sparse layers, got 0"):
+        best_scanning_set({1: {0: 0.1}, 4: {0: 0.1, 1: 0.1}}, (0, 1, 4), 0)
 
 
 def test_top_k_overlap_by_hand():
@@ -519,9 +582,10 @@ def test_top_k_overlap_by_hand():
 
 
 def test_calibrating_a_scanning_set_serves_and_runs_in_the_harness(tmp_path):
-    from benchmark.quality.calibration import REUSE_BELOW, format_scanning
     from benchmark.quality.runner import GridSettings, run_grid
     from rtp_llm.models_py.modules.hybrid.indexer_share import ENV_INDEXER_SHARE, IndexerSharePlan
+
+    from benchmark.quality.scan_choice import format_scanning
 
     lm = _tiny_model()
     tokens = torch.randint(0, 100, (1500,), generator=_gen(6)).tolist()
@@ -530,13 +594,17 @@ def test_calibrating_a_scanning_set_serves_and_runs_in_the_harness(tmp_path):
     profile = calibrate(lm, windows, settings, text={"name": "rand", "sha256": "00" * 32}, command="test",
                         progress=False, guard=False)
     share = profile["indexer_share"]
-    assert share["scanning"] == [0] and share["scan"] == "1 of 2" and set(share["cost_cos_diff"]) == {"2"}
-    assert 0 <= share["overlap"]["2"] <= 1 and math.isfinite(share["cost_cos_diff"]["2"])
+    assert share["scanning"] == [0] and share["scan"] == "1 of 2" and share["sources"] == {"2": 0}
+    cost, overlap = share["reuse_cost_cos_diff"]["2"]["0"], share["reuse_overlap"]["2"]["0"]
+    assert set(share["reuse_cost_cos_diff"]) == {"2"} and 0 <= overlap <= 1 and math.isfinite(cost)
+    assert share["total_cost_cos_diff"] == cost
     # Layer 0's learned rows are not layer 2's own (random indexers: the sign of the cost is not fixed).
-    assert share["overlap"]["2"] < 1 and share["cost_cos_diff"]["2"] != 0
-    assert f"| 2 | {share['cost_cos_diff']['2']:+.5f} | {share['overlap']['2']:.3f} | no |" in format_scanning(profile) and "| 0 | - (first sparse layer) | - | yes |" in format_scanning(profile)
+    assert overlap < 1 and cost != 0
+    table = format_scanning(profile)
+    assert f"| 2 | {cost:+.5f} | {overlap:.3f} | no | 0 | {cost:+.5f} | {overlap:.3f} |" in table
+    assert "| 0 | - (first sparse layer) | - | yes | - | - | - |" in table
     # The first layer has no reuse measurement; the profile's per-candidate record is unchanged.
-    assert REUSE_BELOW not in profile["measurements"]["2"]["1/4"]["candidates"]
+    assert not any(name.startswith("reuse") for name in profile["measurements"]["2"]["1/4"]["candidates"])
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
     loaded = load_topology_profile(path, model_fingerprint=model_fingerprint(lm))
@@ -576,11 +644,18 @@ def test_rescan_rechooses_the_scanning_set_from_the_recorded_costs_and_changes_n
     source = next(p for p in SHIPPED if p.name == "smollm2_135m_merge.json")
     data = json.loads(source.read_text())
     layers = data["model"]["full_attention_layers"]
-    # Costs by hand: layer 12 the costliest, 20 and 7 tie next (the lower layer first), 24 after them.
-    costs = {x: 0.001 for x in layers[1:]}
-    costs.update({12: 0.09, 20: 0.04, 7: 0.04, 24: 0.02})
-    data["indexer_share"] = {"scanning": sorted(layers), "cost_cos_diff": {str(x): c for x, c in costs.items()},
-                             "overlap": {str(x): 0.7 for x in layers[1:]}}
+    # Costs by hand: reusing any layer costs 0.001, except that layers 8-12 lose 0.09 reusing
+    # anything below 7 and layers 13-29 lose 0.05 reusing anything below 13. Three scanning
+    # layers: 0, then 7 (layers 8-12 then reuse 7) and 13, summed cost 6 * 0.001 + 5 * 0.001
+    # + 16 * 0.001 = 0.027; any other set pays at least one 0.05.
+    def cost(i, j):
+        return 0.09 if 8 <= i <= 12 and j < 7 else 0.05 if i >= 13 and j < 13 else 0.001
+
+    data["indexer_share"] = {
+        "scanning": sorted(layers),
+        "reuse_cost_cos_diff": {str(i): {str(j): cost(i, j) for j in layers[:p]} for p, i in enumerate(layers) if p},
+        "reuse_overlap": {str(i): {str(j): 0.7 for j in layers[:p]} for p, i in enumerate(layers) if p},
+    }
     given = tmp_path / "in" / "profile.json"
     given.parent.mkdir()
     given.write_text(json.dumps(data))
@@ -588,14 +663,18 @@ def test_rescan_rechooses_the_scanning_set_from_the_recorded_costs_and_changes_n
     out = tmp_path / "out"
     out.mkdir()
     assert calibrate_cli.main(["--rescan", str(given), "--scan", "3", "--out-dir", str(out)]) == 0
-    assert "Scanning layers (3 of 30): 0,7,12 " in capsys.readouterr().out
+    assert "Scanning layers (3 of 30): 0,7,13 " in capsys.readouterr().out
     written, profile = read_profile_file(out / "profile.json")
-    assert profile.scanning_layers == (0, 7, 12) and written["indexer_share"]["ranked"][:4] == [12, 7, 20, 24]
+    assert profile.scanning_layers == (0, 7, 13)
+    assert written["indexer_share"]["total_cost_cos_diff"] == pytest.approx(0.027)
     assert "--rescan" in written["indexer_share"]["command"] and written["indexer_share"]["scan"] == "3 of 30"
     assert {k: v for k, v in written.items() if k != "indexer_share"} == {k: v for k, v in data.items()
                                                                           if k != "indexer_share"}
     assert calibrate_cli.main(["--rescan", str(given), "--scan", "1/4", "--out-dir", str(out)]) == 0
-    assert read_profile_file(out / "profile.json")[1].scanning_layers == (0, 1, 2, 3, 7, 12, 20, 24)
+    # Eight: 0, 7 and 13 and any five more (equal cost), 22 * 0.001 in all.
+    written, profile = read_profile_file(out / "profile.json")
+    assert len(profile.scanning_layers) == 8 and {0, 7, 13} <= set(profile.scanning_layers)
+    assert written["indexer_share"]["total_cost_cos_diff"] == pytest.approx(0.022)
     assert given.read_bytes() == before
     for argv, message in (
         (["--scan", "3", "--windows", "3"], "--rescan: expected only --scan and --out-dir (nothing is measured), "
@@ -608,14 +687,20 @@ def test_rescan_rechooses_the_scanning_set_from_the_recorded_costs_and_changes_n
         assert message in capsys.readouterr().err
     assert calibrate_cli.main(["--rescan", str(source), "--scan", "3", "--out-dir", str(out)]) == 2
     assert "expected a profile calibrated with --scan" in capsys.readouterr().err
-    data["indexer_share"]["cost_cos_diff"]["5"] = "high"
+    data["indexer_share"]["reuse_cost_cos_diff"]["5"]["0"] = "high"
     given.write_text(json.dumps(data))
     assert calibrate_cli.main(["--rescan", str(given), "--scan", "3", "--out-dir", str(out)]) == 2
-    assert "indexer_share.cost_cos_diff: expected layer index -> number, got '5': 'high'" in capsys.readouterr().err
-    del data["indexer_share"]["overlap"]["5"], data["indexer_share"]["cost_cos_diff"]["5"]
+    assert ("indexer_share.reuse_cost_cos_diff[5]: expected source layer index -> number, got '0': 'high'"
+            in capsys.readouterr().err)
+    del data["indexer_share"]["reuse_cost_cos_diff"]["5"]["0"]
     given.write_text(json.dumps(data))
     assert calibrate_cli.main(["--rescan", str(given), "--scan", "3", "--out-dir", str(out)]) == 2
-    assert "missing layers [5]" in capsys.readouterr().err
+    assert "missing (layer<-source) 5<-0" in capsys.readouterr().err
+    adjacent = dict(data, indexer_share={"scanning": [0], "cost_cos_diff": {"1": 0.1}, "overlap": {"1": 0.5}})
+    given.write_text(json.dumps(adjacent))
+    assert calibrate_cli.main(["--rescan", str(given), "--scan", "3", "--out-dir", str(out)]) == 2
+    assert "got only each layer's cost of reusing the layer directly below (cost_cos_diff): calibrate again" \
+        in capsys.readouterr().err
     assert given.read_bytes() != before and calibrate_cli.main(["--rescan", str(tmp_path / "none.json"), "--scan",
                                                                 "3", "--out-dir", str(out)]) == 2
     assert "--rescan: " in capsys.readouterr().err

@@ -277,23 +277,20 @@ def test_training_windows_and_evaluation_sets_of_the_command(captured):
         assert first["reuse below"] == first["trained"], "the first layer scans: its own rows"
     summary = train_cli.summarize(ev)
     text = train_cli.markdown(ev, summary)
-    assert "prideprejudice copy probe 512" in text and "RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=" in text
+    assert "prideprejudice copy probe 512" in text and "topology_kv_calibrate.py --scan K" in text
     assert "`trained, newest ties` (the same scores, ties to the newest position) below a null model" in text
     assert "newest_ties_layers_below_locality" in summary["emma (held out) 512"]
     share = summary["emma (held out) 512"]["share"]
-    assert share["scan 1/2"]["layers"][0] == layers[0] and share["ranked"][0] != layers[0]
+    assert layers[0] not in share["ranked"] and sorted(share["ranked"]) == sorted(layers[1:])
+    assert share["cost_1_16"][str(layers[0])] == 0
 
 
-def test_the_share_choice_scans_the_first_layer_and_then_the_costliest():
-    from benchmark.indexer.train_cli import share_choice
+def test_the_share_costs_rank_the_layers_by_recall_lost_reusing_the_layer_below():
+    from benchmark.indexer.train_cli import share_costs
 
-    got = share_choice({0: 0.0, 1: 0.01, 2: 0.20, 3: 0.05, 4: -0.01, 5: 0.30, 6: 0.02, 7: 0.10})
-    assert got["ranked"] == [5, 2, 7, 3, 6, 1, 4]
-    assert got["scan 1/2"] == {"layers": [0, 2, 5, 7], "env": "0,2,5,7"}
-    assert got["scan 1/4"] == {"layers": [0, 5], "env": "0,5"}
-    from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
-
-    assert IndexerSharePlan.parse(got["scan 1/2"]["env"], range(8)).scanning == (0, 2, 5, 7)
+    got = share_costs({0: 0.0, 1: 0.01, 2: 0.20, 3: 0.05, 4: -0.01, 5: 0.30, 6: 0.02, 7: 0.10, 8: 0.10})
+    assert got["ranked"] == [5, 2, 7, 8, 3, 6, 1, 4]
+    assert got["cost_1_16"]["4"] == -0.01 and set(got) == {"cost_1_16", "ranked"}
 
 
 def test_the_shipped_checkpoints_are_one_per_model_and_shape_preset():

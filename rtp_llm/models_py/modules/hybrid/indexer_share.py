@@ -16,8 +16,8 @@ The pattern is per model, over the model's sparse (indexer) layers in ascending 
   (a layer below every scanning layer would have nothing to reuse), each entry a sparse
   layer, ascending, no repeats;
 * ``profile``: the scanning set the calibration wrote into the profile
-  (``RTP_LLM_TOPOLOGY_KV_PROFILE``'s ``indexer_share.scanning``; the calibration ranks the
-  layers by what reusing the layer below costs them, ``--scan K``).
+  (``RTP_LLM_TOPOLOGY_KV_PROFILE``'s ``indexer_share.scanning``; the calibration, ``--scan K``,
+  picks the set whose sharing layers lose least by reusing the nearest scanning layer below).
 
 Serving reads ``RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE`` once, when the model builds its layers
 (:meth:`IndexerSharePlan.from_env`), and hands the plan to each ``Indexer``. Within a
