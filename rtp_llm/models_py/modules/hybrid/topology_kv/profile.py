@@ -46,8 +46,10 @@ PROFILE_VERSION = 1
 ENV_PROFILE = "RTP_LLM_TOPOLOGY_KV_PROFILE"
 ENV_PROFILE_BUDGET = "RTP_LLM_TOPOLOGY_KV_PROFILE_BUDGET"
 # The largest calibrated profiles are 0.7 MB (benchmark/profiles/smollm2_135m_merge.json and
-# smollm2_135m_trained_merge.json, 30 layers x 3 budgets); 16 MiB leaves room for 700
-# layers x 30 budgets and bounds the read.
+# smollm2_135m_trained_merge.json, 30 layers x 3 budgets: about 7.5 KB per (layer, budget)
+# entry with 29 candidates); 16 MiB holds about 2,200 such entries (DeepSeek-V3.2's 61
+# layers x 30 budgets, or 700 layers x 3) and bounds the read. A scanning set's pairwise
+# reuse costs add N(N-1) numbers for N sparse layers: 27 KB at 30, about 0.12 MB at 61.
 MAX_PROFILE_BYTES = 16 << 20
 # Integers in a profile are layer indices, counts and context lengths: 18 digits fit int64
 # and are far past every one of them. Longer ones are refused by the field that holds them.
