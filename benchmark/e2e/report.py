@@ -455,6 +455,17 @@ def format_merged(merged: Row, plot_name: Optional[str] = PLOT_NAME) -> str:
     return "\n".join(lines) + "\n"
 
 
+PLOT_MARKERS = ("o", "s", "^", "D")
+PLOT_LINES = ("-", "--", ":", "-.")
+
+
+def variant_styles(variants: Sequence[str]) -> Dict[str, Tuple[int, str, str]]:
+    """Per variant: (tab10 colour index, marker, line style); the first ten variants take the
+    ten colours with round markers and solid lines, each next ten the colours again with the
+    next marker and line style, so up to 40 variants are told apart."""
+    return {v: (i % 10, PLOT_MARKERS[(i // 10) % 4], PLOT_LINES[(i // 10) % 4]) for i, v in enumerate(variants)}
+
+
 def plot_pareto(rows: List[Row], path: Path) -> Path:
     """Step time vs mean KL to dense, one point per (variant, budget W), a variant's budgets
     joined in order of W, one panel per (context, batch) of one-row-per-request rows; the
@@ -467,7 +478,7 @@ def plot_pareto(rows: List[Row], path: Path) -> Path:
     single = [r for r in rows if r["rows_per_request"] == 1 and r["variant"] != "dense"]
     panels = sorted({(r["context"], r["batch"]) for r in single})
     variants = list(dict.fromkeys(r["variant"] for r in single))
-    colours = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
+    styles = variant_styles(variants)
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.5 * max(1, len(panels)), 4.5 + 0.2 * len(variants)),
                              squeeze=False)
     for ax, (ctx, batch) in zip(axes[0], panels):
@@ -476,7 +487,9 @@ def plot_pareto(rows: List[Row], path: Path) -> Path:
             pts = sorted((r["budget"], r["step_ms_median"], max(r["mean_kl"], 1e-7)) for r in here if r["variant"] == v)
             if not pts:
                 continue
-            ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", color=colours[v], label=v)
+            colour, marker, line = styles[v]
+            ax.plot([p[1] for p in pts], [p[2] for p in pts], marker=marker, linestyle=line,
+                    color=plt.get_cmap("tab10")(colour), label=v)
             for w, x, y in pts:
                 ax.annotate(f"W={w}", (x, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
         ax.set_yscale("log")

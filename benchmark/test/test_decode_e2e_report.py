@@ -339,3 +339,9 @@ def test_a_note_when_the_timed_steps_are_not_whole_cycles():
     three.new_tokens = 14
     assert e2e.cycle_note(three) is None
     assert e2e.cycle_note(e2e.parse_args(["--variants", "learned", "--new-tokens", "5", "--warmup", "1"])) is None
+
+
+def test_the_pareto_plot_tells_up_to_forty_variants_apart():
+    styles = report.variant_styles([f"v{i}" for i in range(40)])
+    assert len(set(styles.values())) == 40
+    assert styles["v0"] == (0, "o", "-") and styles["v10"] == (0, "s", "--") and styles["v13"] == (3, "s", "--")
