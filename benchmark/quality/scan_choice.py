@@ -98,6 +98,19 @@ def sources_of(scanning: Sequence[int], layers: Sequence[int]) -> Dict[int, int]
     return out
 
 
+def set_cost(cost: Costs, scanning: Sequence[int], layers: Sequence[int]) -> float:
+    """What a given scanning set costs: the sum over the sharing layers of ``cost[layer][source]``."""
+    return sum(cost[x][s] for x, s in sources_of(scanning, layers).items())
+
+
+def profile_set_cost(profile: Mapping[str, object], scanning: Sequence[int]) -> float:
+    """:func:`set_cost` of ``scanning`` under a profile JSON's recorded pairwise costs (to
+    compare another set, e.g. ``every:K``'s, with the one the calibration chose)."""
+    share = profile["indexer_share"]
+    layers = sorted(int(x) for x in profile["layers"])
+    return set_cost(_read_matrix(share, "reuse_cost_cos_diff"), scanning, layers)
+
+
 def pick_scanning(cost: Costs, overlap: Costs, layers: Sequence[int], scan: int) -> Dict[str, object]:
     """``indexer_share`` from the pairwise reuse costs and top-k overlaps (module docstring)."""
     layers = sorted(layers)

@@ -542,7 +542,7 @@ def test_equal_cost_sets_are_broken_the_same_way_every_time():
 @hyp_settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_the_scanning_set_is_the_least_cost_one_of_all_sets(data):
-    from benchmark.quality.scan_choice import best_scanning_set, sources_of
+    from benchmark.quality.scan_choice import best_scanning_set, set_cost
 
     n = data.draw(st.integers(1, 7), label="layers")
     layers = sorted(data.draw(st.sets(st.integers(0, 40), min_size=n, max_size=n), label="indices"))
@@ -553,7 +553,7 @@ def test_the_scanning_set_is_the_least_cost_one_of_all_sets(data):
     assert len(chosen) == scan and chosen[0] == layers[0] and set(chosen) <= set(layers)
 
     def priced(subset):
-        return sum(cost[x][s] for x, s in sources_of(subset, layers).items())
+        return set_cost(cost, subset, layers)
 
     assert total == pytest.approx(priced(chosen), abs=1e-12)
     brute = min(priced([layers[0], *rest]) for rest in itertools.combinations(layers[1:], scan - 1))
@@ -667,6 +667,10 @@ def test_rescan_rechooses_the_scanning_set_from_the_recorded_costs_and_changes_n
     written, profile = read_profile_file(out / "profile.json")
     assert profile.scanning_layers == (0, 7, 13)
     assert written["indexer_share"]["total_cost_cos_diff"] == pytest.approx(0.027)
+    from benchmark.quality.scan_choice import profile_set_cost
+
+    # Another set priced by the same record: 0 and 13 (8-12 reuse 0 at 0.09, 1-7 at 0.001).
+    assert profile_set_cost(written, [0, 13]) == pytest.approx(7 * 0.001 + 5 * 0.09 + 16 * 0.001)
     assert "--rescan" in written["indexer_share"]["command"] and written["indexer_share"]["scan"] == "3 of 30"
     assert {k: v for k, v in written.items() if k != "indexer_share"} == {k: v for k, v in data.items()
                                                                           if k != "indexer_share"}
