@@ -99,7 +99,14 @@ def sources_of(scanning: Sequence[int], layers: Sequence[int]) -> Dict[int, int]
 
 
 def set_cost(cost: Costs, scanning: Sequence[int], layers: Sequence[int]) -> float:
-    """What a given scanning set costs: the sum over the sharing layers of ``cost[layer][source]``."""
+    """What a given scanning set costs: the sum over the sharing layers of ``cost[layer][source]``.
+
+    ``ValueError`` unless ``scanning`` holds the first sparse layer and only sparse layers
+    (a layer below every scanning layer would have nothing to reuse)."""
+    layers = sorted(layers)
+    if not layers or layers[0] not in scanning or not set(scanning) <= set(layers):
+        raise ValueError(f"scanning: expected sparse layers starting with the first, {layers[:1]}, "
+                         f"got {sorted(scanning)}")
     return sum(cost[x][s] for x, s in sources_of(scanning, layers).items())
 
 

@@ -671,6 +671,9 @@ def test_rescan_rechooses_the_scanning_set_from_the_recorded_costs_and_changes_n
 
     # Another set priced by the same record: 0 and 13 (8-12 reuse 0 at 0.09, 1-7 at 0.001).
     assert profile_set_cost(written, [0, 13]) == pytest.approx(7 * 0.001 + 5 * 0.09 + 16 * 0.001)
+    for bad in ([7, 13], [0, 30]):
+        with pytest.raises(ValueError, match=r"scanning: expected sparse layers starting with the first, \[0\]"):
+            profile_set_cost(written, bad)
     assert "--rescan" in written["indexer_share"]["command"] and written["indexer_share"]["scan"] == "3 of 30"
     assert {k: v for k, v in written.items() if k != "indexer_share"} == {k: v for k, v in data.items()
                                                                           if k != "indexer_share"}
