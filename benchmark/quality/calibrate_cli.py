@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also choose which sparse layers run the indexer when the others share it: K layers, or a "
                         "fraction such as 1/4 of them (rounded, at least 1): the first sparse layer and the set that "
                         "least raises the others' output error, each reusing the nearest scanning layer below it "
-                        "(every layer's cost of reusing every layer below is measured), written into the profile's indexer_share (served with "
-                        "RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=profile); merge modes only")
+                        "(every layer's cost of reusing every layer below is measured), written into the profile's "
+                        "indexer_share (served with RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE=profile); merge modes only")
     p.add_argument("--rescan", default=None, metavar="PROFILE",
                    help="re-choose the scanning set of PROFILE (calibrated with --scan) for this --scan from the "
                         "reuse costs it recorded, without loading the model or measuring (seconds); writes "

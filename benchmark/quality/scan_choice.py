@@ -113,9 +113,8 @@ def set_cost(cost: Costs, scanning: Sequence[int], layers: Sequence[int]) -> flo
 def profile_set_cost(profile: Mapping[str, object], scanning: Sequence[int]) -> float:
     """:func:`set_cost` of ``scanning`` under a profile JSON's recorded pairwise costs (to
     compare another set, e.g. ``every:K``'s, with the one the calibration chose)."""
-    share = profile["indexer_share"]
-    layers = sorted(int(x) for x in profile["layers"])
-    return set_cost(_read_matrix(share, "reuse_cost_cos_diff"), scanning, layers)
+    cost, _ = recorded_costs(profile)
+    return set_cost(cost, scanning, sorted(int(x) for x in profile["layers"]))
 
 
 def pick_scanning(cost: Costs, overlap: Costs, layers: Sequence[int], scan: int) -> Dict[str, object]:
@@ -154,15 +153,10 @@ def _read_matrix(share: Mapping[str, object], name: str) -> Dict[int, Dict[int, 
     return out
 
 
-def rescan_profile(data: Dict[str, object], layers: Sequence[int], scan: int, command: str) -> Dict[str, object]:
-    """A copy of the profile JSON ``data`` whose ``indexer_share`` scans ``scan`` layers.
-
-    The choice reuses the pairwise costs and overlaps the calibration recorded
-    (:func:`pick_scanning`); nothing else changes except ``indexer_share.command``, the
-    command that re-chose it. ``ValueError`` when ``data`` holds no pairwise costs (a
-    profile calibrated without ``--scan``, or one that records only each layer's cost of
-    reusing the layer directly below) or they do not cover ``layers``.
-    """
+def recorded_costs(data: Mapping[str, object]) -> Tuple[Dict[int, Dict[int, float]], Dict[int, Dict[int, float]]]:
+    """(pairwise costs, pairwise overlaps) a profile JSON's ``indexer_share`` recorded;
+    ``ValueError`` naming what is missing (no ``indexer_share``, or only the adjacent costs
+    of an older calibration) or malformed."""
     share = data.get("indexer_share")
     if not isinstance(share, dict):
         raise ValueError("expected a profile calibrated with --scan (its indexer_share.reuse_cost_cos_diff holds "
@@ -173,7 +167,19 @@ def rescan_profile(data: Dict[str, object], layers: Sequence[int], scan: int, co
                          "reusing every sparse layer below it), got "
                          + ("only each layer's cost of reusing the layer directly below (cost_cos_diff): "
                             "calibrate again with --scan" if adjacent else "neither"))
-    cost, overlap = _read_matrix(share, "reuse_cost_cos_diff"), _read_matrix(share, "reuse_overlap")
+    return _read_matrix(share, "reuse_cost_cos_diff"), _read_matrix(share, "reuse_overlap")
+
+
+def rescan_profile(data: Dict[str, object], layers: Sequence[int], scan: int, command: str) -> Dict[str, object]:
+    """A copy of the profile JSON ``data`` whose ``indexer_share`` scans ``scan`` layers.
+
+    The choice reuses the pairwise costs and overlaps the calibration recorded
+    (:func:`pick_scanning`); nothing else changes except ``indexer_share.command``, the
+    command that re-chose it. ``ValueError`` when ``data`` holds no pairwise costs (a
+    profile calibrated without ``--scan``, or one that records only each layer's cost of
+    reusing the layer directly below) or they do not cover ``layers``.
+    """
+    cost, overlap = recorded_costs(data)
     out = dict(data)
     out["indexer_share"] = dict(pick_scanning(cost, overlap, layers, scan), command=command)
     return out

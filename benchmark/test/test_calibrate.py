@@ -674,6 +674,8 @@ def test_rescan_rechooses_the_scanning_set_from_the_recorded_costs_and_changes_n
     for bad in ([7, 13], [0, 30]):
         with pytest.raises(ValueError, match=r"scanning: expected sparse layers starting with the first, \[0\]"):
             profile_set_cost(written, bad)
+    with pytest.raises(ValueError, match=r"got only each layer's cost of reusing the layer directly below"):
+        profile_set_cost(dict(written, indexer_share={"scanning": [0], "cost_cos_diff": {}}), [0])
     assert "--rescan" in written["indexer_share"]["command"] and written["indexer_share"]["scan"] == "3 of 30"
     assert {k: v for k, v in written.items() if k != "indexer_share"} == {k: v for k, v in data.items()
                                                                           if k != "indexer_share"}
