@@ -7,6 +7,14 @@ of the indexer's own projections (:mod:`rtp_llm.models_py.modules.hybrid.indexer
 both over the row's causal keys. The model is frozen and the indexer's inputs are
 detached (they are captured tensors). AdamW with a linear warm-up and a cosine decay.
 
+Sparse stage (DeepSeek-V3.2's second stage, optional: ``DistillSettings.sparse_steps``):
+after the dense steps, more steps on ``KL(p[t, S_t] || softmax(I[t, S_t]))`` with ``S_t``
+the indexer's own top ``max(1, floor(len_t * sparse_budget))`` keys of row ``t`` (chosen
+again every step, without gradient, by the engine's tie rule: lower position first) and
+``p[t, S_t]`` the attention renormalised over them: the model stays frozen, so its
+attention is dense and the selected set is what the loss is restricted to. Its own
+warm-up and cosine decay from ``sparse_lr``.
+
 With one indexer head, ``relu`` zeroes the score of every key whose dot product is
 negative, and a zero score passes no gradient: a key the dense attention weights but the
 indexer scores below 0 stays at 0, tied with the keys that deserve 0, and the engine's tie
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from fractions import Fraction
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -43,6 +52,9 @@ class DistillSettings:
     weight_decay : AdamW's decoupled weight decay
     dead_slope : the share of the gradient ``relu`` passes below 0 in training (0: DSA's
         plain relu; the forward score is DSA's either way)
+    sparse_steps : steps of the sparse stage after the dense ones (0: none, DSA's warm-up only)
+    sparse_budget : the selected set of the sparse stage, a fraction of each row's causal keys
+    sparse_lr : the sparse stage's peak learning rate
     """
 
     steps: int = 200
@@ -52,6 +64,9 @@ class DistillSettings:
     batch_windows: int = 2
     weight_decay: float = 0.0
     dead_slope: float = 0.0
+    sparse_steps: int = 0
+    sparse_budget: Fraction = Fraction(1, 8)
+    sparse_lr: float = 3e-4
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_windows"):
@@ -64,15 +79,30 @@ class DistillSettings:
             raise ValueError(f"min_lr_ratio: expected in [0, 1], got {self.min_lr_ratio!r}")
         if not 0 <= self.dead_slope <= 1:
             raise ValueError(f"dead_slope: expected in [0, 1], got {self.dead_slope!r}")
+        if isinstance(self.sparse_steps, bool) or not isinstance(self.sparse_steps, int) or self.sparse_steps < 0:
+            raise ValueError(f"sparse_steps: expected an int >= 0, got {self.sparse_steps!r}")
+        if not isinstance(self.sparse_budget, Fraction) or not 0 < self.sparse_budget <= 1:
+            raise ValueError(f"sparse_budget: expected a Fraction in (0, 1], got {self.sparse_budget!r}")
+        if not self.sparse_lr > 0:
+            raise ValueError(f"sparse_lr: expected > 0, got {self.sparse_lr!r}")
 
     def lr_at(self, step: int) -> float:
-        """Learning rate of step ``step`` (0-based): linear warm-up, then cosine decay."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        span = max(1, self.steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        floor = self.lr * self.min_lr_ratio
-        return floor + (self.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        """Learning rate of dense step ``step`` (0-based): linear warm-up, then cosine decay."""
+        return _warmup_cosine(self.lr, self.steps, self.warmup_steps, self.min_lr_ratio, step)
+
+    def sparse_lr_at(self, step: int) -> float:
+        """Learning rate of sparse step ``step`` (0-based, counted from the stage's start)."""
+        return _warmup_cosine(self.sparse_lr, self.sparse_steps, self.warmup_steps, self.min_lr_ratio, step)
+
+
+def _warmup_cosine(peak: float, steps: int, warmup: int, min_ratio: float, step: int) -> float:
+    """Linear warm-up over ``warmup`` steps to ``peak``, then cosine decay to ``peak * min_ratio``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    span = max(1, steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    floor = peak * min_ratio
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def leaky_backward_relu(x: torch.Tensor, slope: float) -> torch.Tensor:
@@ -138,6 +168,27 @@ class _TrainingTarget:
         logq = torch.log_softmax(_raw_scores(module, self.sample, dead_slope).masked_fill(self.future, self.FLOOR), dim=-1)
         return self.neg_entropy - (self.sample.target * logq).sum(dim=-1).mean()
 
+    def sparse_loss(self, module: IndexerProjections, budget: Fraction, dead_slope: float = 0.0) -> torch.Tensor:
+        """The sparse stage's loss (module docstring): mean over rows of the KL between the
+        attention renormalised over the row's selected keys and the softmax of their scores."""
+        scores = _raw_scores(module, self.sample, dead_slope).masked_fill(self.future, self.FLOOR)  # [R, L]
+        selected = selected_keys(scores.detach(), self.sample.lengths, budget)  # [R, L]
+        p = self.sample.target * selected
+        p = p / p.sum(dim=-1, keepdim=True).clamp(min=1e-30)
+        logq = torch.log_softmax(scores.masked_fill(~selected, self.FLOOR), dim=-1)
+        return (torch.xlogy(p, p) - p * logq).sum(dim=-1).mean()
+
+
+def selected_keys(scores: torch.Tensor, lengths: torch.Tensor, budget: Fraction) -> torch.Tensor:
+    """bool ``[R, L]``: each row's top ``max(1, floor(length * budget))`` causal keys by
+    score, ties to the lower position (the engine's rule). ``scores`` past a row's length
+    must already rank below every causal key (``-inf`` or a floor)."""
+    R, L = scores.shape
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # ties: lower position first
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(L).expand(R, L))
+    keep = torch.clamp((lengths.to(torch.int64) * budget.numerator) // budget.denominator, min=1)  # [R]
+    return (rank < keep.unsqueeze(1)) & (torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1))
+
 
 def held_out_kl(module: IndexerProjections, samples: Sequence[LayerSample]) -> float:
     """Mean KL over ``samples`` (no gradients)."""
@@ -153,7 +204,8 @@ def train_layer(
     on_step: Optional[Callable[[int, float], None]] = None,
     init: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> Tuple[IndexerProjections, List[float]]:
-    """Train one layer's projections on ``samples``; returns the module and the loss per step.
+    """Train one layer's projections on ``samples``; returns the module and the loss per step
+    (the dense steps', then the sparse stage's).
 
     init : a state dict to start from (e.g. :func:`benchmark.indexer.warm_start.attention_warm_start`),
         or None for the random start
@@ -177,19 +229,23 @@ def train_layer(
     order = torch.Generator().manual_seed(seed + 1)
     losses: List[float] = []
     queue: List[int] = []
-    for step in range(settings.steps):
-        batch = []
-        while len(batch) < min(settings.batch_windows, len(samples)):
-            if not queue:
-                queue = torch.randperm(len(samples), generator=order).tolist()
-            batch.append(queue.pop())
-        for group in opt.param_groups:
-            group["lr"] = settings.lr_at(step)
-        opt.zero_grad(set_to_none=True)
-        loss = sum(targets[i].loss(module, settings.dead_slope) for i in batch) / len(batch)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-        if on_step is not None:
-            on_step(step, losses[-1])
+    dense = lambda t: t.loss(module, settings.dead_slope)  # noqa: E731
+    sparse = lambda t: t.sparse_loss(module, settings.sparse_budget, settings.dead_slope)  # noqa: E731
+    stages = ((settings.steps, settings.lr_at, dense), (settings.sparse_steps, settings.sparse_lr_at, sparse))
+    for steps, lr_at, term in stages:
+        for step in range(steps):
+            batch = []
+            while len(batch) < min(settings.batch_windows, len(samples)):
+                if not queue:
+                    queue = torch.randperm(len(samples), generator=order).tolist()
+                batch.append(queue.pop())
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            opt.zero_grad(set_to_none=True)
+            loss = sum(term(targets[i]) for i in batch) / len(batch)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            if on_step is not None:
+                on_step(len(losses) - 1, losses[-1])
     return module.eval().requires_grad_(False), losses

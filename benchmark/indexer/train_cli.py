@@ -23,6 +23,9 @@ What a run does (defaults in brackets):
    1/8 or 1/4 is retrained too, as an undertrained one (another seed,
    :data:`NULL_RETRY_STEPS` times the steps at :data:`NULL_RETRY_LR` times the learning
    rate); off by default, so the shipped checkpoints' commands reproduce them.
+   ``--sparse-steps N`` [0] adds DSA's sparse stage after the dense steps (KL over the
+   indexer's own top ``--sparse-budget`` [1/8] of each row's keys, peak ``--sparse-lr``
+   [3e-4]; :mod:`benchmark.indexer.distill`).
    ``--dead-slope`` [0] passes that share of relu's gradient below 0 in training
    (:func:`benchmark.indexer.distill.leaky_backward_relu`); the score stays DSA's.
    ``--init`` [random] ``attention`` starts each layer from its attention's own q/k
@@ -97,6 +100,17 @@ def _int_list(text: str) -> List[int]:
     return values
 
 
+def _sparse_budget(p: argparse.ArgumentParser, text: str) -> Fraction:
+    """``--sparse-budget``: a fraction in (0, 1] such as 1/8."""
+    try:
+        value = Fraction(text.strip())
+    except (ValueError, ZeroDivisionError):
+        value = None
+    if value is None or not 0 < value <= 1:
+        p.error(f"--sparse-budget: expected a fraction in (0, 1] such as 1/8, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="topology_kv_indexer_train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer-steps", action="append", default=[], metavar="LAYERS=N",
                    help="these layers take N optimizer steps instead of --steps, e.g. 0=1200; repeatable")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--sparse-steps", type=int, default=0,
+                   help="steps of DSA's sparse stage after the dense ones: KL over the indexer's own selected keys "
+                        "only (default 0: the dense warm-up alone)")
+    p.add_argument("--sparse-budget", default="1/8", help="the sparse stage's selected set, a fraction of each "
+                   "row's keys (default %(default)s)")
+    p.add_argument("--sparse-lr", type=float, default=3e-4, help="the sparse stage's peak learning rate "
+                   "(default %(default)s)")
     p.add_argument("--batch-windows", type=int, default=2, help="windows per optimizer step (default 2)")
     p.add_argument("--dead-slope", type=float, default=0.0,
                    help="in training only, the share of the gradient relu passes below 0, so a key the attention "
@@ -250,6 +271,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--lr: expected > 0, got {args.lr}")
     if not 0 <= args.dead_slope <= 1:
         p.error(f"--dead-slope: expected in [0, 1], got {args.dead_slope}")
+    if args.sparse_steps < 0:
+        p.error(f"--sparse-steps: expected >= 0, got {args.sparse_steps}")
+    if not args.sparse_lr > 0:
+        p.error(f"--sparse-lr: expected > 0, got {args.sparse_lr}")
+    args.sparse_budget = _sparse_budget(p, args.sparse_budget)
     if args.rope_dim is not None and (args.rope_dim < 0 or args.rope_dim % 2):
         p.error(f"--rope-dim: expected an even int >= 0, got {args.rope_dim}")
     if args.init == "attention" and args.evaluate is not None:
@@ -345,10 +371,11 @@ def train(args, lm, corpus, layers, shapes: Dict[int, IndexerProjectionShape], p
     for names, steps in args.layer_steps:
         steps_of.update({x: steps for x in names if x in steps_of})
     projections, record = {}, {}
-    bar = _bar(sum(steps_of.values()), "train", not progress)
+    bar = _bar(sum(steps_of.values()) + args.sparse_steps * len(layers), "train", not progress)
     for layer in layers:
         base = DistillSettings(steps=steps_of[layer], lr=args.lr, batch_windows=args.batch_windows,
-                               dead_slope=args.dead_slope)
+                               dead_slope=args.dead_slope, sparse_steps=args.sparse_steps,
+                               sparse_budget=args.sparse_budget, sparse_lr=args.sparse_lr)
         retries = {  # why a layer is retrained -> its second attempt
             "collapsed": dataclasses.replace(base, steps=base.steps * 2, lr=args.lr / 2),
             "below a null model": dataclasses.replace(base, steps=base.steps * NULL_RETRY_STEPS,
@@ -376,7 +403,8 @@ def train(args, lm, corpus, layers, shapes: Dict[int, IndexerProjectionShape], p
             r = layer_recall([val[layer]], {"oracle": None, "trained": trained_scores(module)}, val_ctx)
             below = sorted(m for m, by_budget in null_recall.items()
                            if any(r["trained"][b] < v for b, v in by_budget.items()))
-            attempts.append({"module": module, "steps": settings.steps, "lr": settings.lr, "seed": seed,
+            attempts.append({"module": module, "steps": settings.steps + settings.sparse_steps,
+                             "sparse_steps": settings.sparse_steps, "lr": settings.lr, "seed": seed,
                              "reason": reason, "loss_first": losses[0], "loss_last": losses[-1],
                              "val_kl": held_out_kl(module, [val[layer]]), "val_recall": r["trained"]["1/16"],
                              "val_oracle": r["oracle"]["1/16"], "val_below": below,
@@ -390,7 +418,7 @@ def train(args, lm, corpus, layers, shapes: Dict[int, IndexerProjectionShape], p
             else:
                 break
             settings, seed = retries[reason], args.seed + layer + 1000
-            bar.total += settings.steps
+            bar.total += settings.steps + settings.sparse_steps
         best = max(attempts, key=lambda a: a["val_recall"])
         projections[layer] = best["module"]
         record[layer] = {"flagged": len(attempts) > 1, "kept_attempt": attempts.index(best),
@@ -652,6 +680,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             model_sha256=lm.gguf_sha256 or "0" * 64, text_sha256=text_sha, shape=shape, layers=tuple(layers),
             steps={x: record[x]["steps"] for x in layers}, command=command, layer_shapes=layer_shapes,
             extra={"shape_preset": args.shape, "init": args.init, "text": args.novel, "text_source": corpus.source, **windows,
+                   **({"sparse_stage": {"steps": args.sparse_steps, "budget": str(args.sparse_budget),
+                                        "lr": args.sparse_lr}} if args.sparse_steps else {}),
                    "train_seconds_including_load": round(train_s, 1),
                    "train_seconds_after_load": round(time.perf_counter() - t0, 1),
                    "flagged_layers": [x for x in layers if record[x]["flagged"]],

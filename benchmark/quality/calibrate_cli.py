@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-choose the scanning set of PROFILE (calibrated with --scan) for this --scan from the "
                         "reuse costs it recorded, without loading the model or measuring (seconds); writes "
                         "--out-dir/profile.json with only indexer_share changed; takes no other flag")
+    p.add_argument("--shared-structure", action="append", default=[], metavar="SCAN",
+                   help="instead of a profile: for the sharing layers of the scanning set SCAN ('every:K' or a "
+                        "comma list of scanning layers; repeat the flag for several, all measured in the same "
+                        "forwards), the output error of their own rows, of the reused rows and of the best "
+                        "structural candidate merged into the reused rows, and the share of the loss it recovers "
+                        "(benchmark/quality/shared_structure.py); writes --out-dir/shared_structure.json and .md")
     p.add_argument("--out-dir", default="report/topology_kv_profile", help="where profile.json and share_kept.png go")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-plots", action="store_true")
@@ -153,6 +159,10 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
     scan = parse_scan(args.scan, args.policy)
+    if args.shared_structure and (scan is not None or args.policy != MODE):
+        raise UsageError(f"--shared-structure: expected neither --scan nor another --policy (it measures merges of "
+                         f"{MODE} into reused rows and writes no profile), got "
+                         f"{'--scan ' + shown(args.scan) if scan is not None else '--policy ' + args.policy}")
     if args.text is not None and not is_file(user_path(args.text)):
         raise UsageError(f"--text: no such file {shown(str(user_path(args.text)))}")
     try:  # before the model load and the 15-28 min calibration, not after
@@ -202,6 +212,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
           f"{list(lm.full_attention_layers)}; {len(settings.candidates())} candidates per layer and budget; "
           f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     command = "python benchmark/topology_kv_calibrate.py " + " ".join(shlex.quote(a) for a in argv)
+    if args.shared_structure:
+        return shared_structure(args, lm, windows, settings, out_dir, command.strip())
     profile = calibrate(lm, windows, settings, text=text, command=command.strip(), progress=not args.no_progress,
                         extra_settings={"windows": args.windows, "window_seed": args.window_seed},
                         guard=not args.no_guard)
@@ -216,6 +228,33 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         plot_shares(profile, out_dir / "share_kept.png")
         outputs.append(str(out_dir / "share_kept.png"))
     print(f"\ncalibration {profile['settings']['seconds']} s; outputs: {', '.join(outputs)}")
+    return 0
+
+
+def shared_structure(args, lm, windows, settings, out_dir, command: str) -> int:
+    """``--shared-structure SCAN ...``: the table and JSON of :mod:`benchmark.quality.shared_structure`."""
+    from benchmark.quality.shared_structure import format_shared_structure, run_shared_structure
+    from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
+
+    plans = []
+    for text in args.shared_structure:
+        try:
+            plan = IndexerSharePlan.parse(text, lm.full_attention_layers, where="--shared-structure")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if not plan.shares:
+            raise UsageError(f"--shared-structure: expected a scanning set some layer shares under, got {shown(text)} "
+                             f"(every sparse layer scans)")
+        plans.append(plan)
+    result = run_shared_structure(lm, windows, settings, plans, progress=not args.no_progress)
+    result.update(command=command, model=lm.gguf_path.name if lm.gguf_path is not None else None,
+                  contexts=list(settings.contexts), windows=args.windows)
+    table = "\n\n".join(format_shared_structure(s) for s in result["sets"])
+    (out_dir / "shared_structure.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "shared_structure.md").write_text(f"`{command}`\n\n{table}\n")
+    print(table)
+    print(f"\nmeasured in {result['seconds']} s; outputs: {out_dir / 'shared_structure.json'}, "
+          f"{out_dir / 'shared_structure.md'}")
     return 0
 
 

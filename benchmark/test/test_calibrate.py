@@ -713,3 +713,66 @@ def test_rescan_rechooses_the_scanning_set_from_the_recorded_costs_and_changes_n
     assert given.read_bytes() != before and calibrate_cli.main(["--rescan", str(tmp_path / "none.json"), "--scan",
                                                                 "3", "--out-dir", str(out)]) == 2
     assert "--rescan: " in capsys.readouterr().err
+
+
+# --shared-structure: the calibration's candidates merged into a sharing layer's reused rows.
+def test_shared_structure_summary_by_hand():
+    from benchmark.quality.shared_structure import format_shared_structure, summarize_shared_structure
+    from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
+
+    settings = dataclasses.replace(SMALL, contexts=(128,), budgets=(Fraction(1, 4),), margin=0.05)
+    plan = IndexerSharePlan.parse("0,4", (0, 2, 4, 6))  # 2 reuses 0, 6 reuses 4
+    b = Fraction(1, 4)
+    m = Measurements()
+    names = [c.name for c in settings.candidates()[1:]]
+    # layer 2: own 0.010, reuse 0.030, best candidate 0.020 (kept: below 0.030 * 0.95): recovers half.
+    # layer 6: own 0.010, reuse 0.020, best 0.0195 (not past the margin): recovers nothing.
+    for layer, own, reuse, best in ((2, 0.010, 0.030, 0.020), (6, 0.010, 0.020, 0.0195)):
+        m.add(layer, b, 128, "0,4|learned", (own, 0.0, 1))
+        m.add(layer, b, 128, "0,4|reuse", (reuse, 0.0, 1))
+        for i, name in enumerate(names):
+            m.add(layer, b, 128, f"0,4|{name}", (best + 0.001 * i, 0.0, 1))
+    s = summarize_shared_structure(m, plan, settings)
+    l2, l6 = s["budgets"]["1/4"]["layers"]["2"], s["budgets"]["1/4"]["layers"]["6"]
+    assert l2["reuses"] == 0 and l2["chosen"] == names[0] and l2["recovered"] == pytest.approx(0.5)
+    assert l6["reuses"] == 4 and l6["chosen"] == "reuse" and l6["recovered"] == 0 and l6["best"] == names[0]
+    total = s["budgets"]["1/4"]["sum"]
+    assert total["learned"] == pytest.approx(0.02) and total["reuse"] == pytest.approx(0.05)
+    assert total["chosen"] == pytest.approx(0.04) and total["recovered"] == pytest.approx(1 / 3)
+    table = format_shared_structure(s)
+    assert "| **sum** | | 0.0200 / 0.0500 -> 0.0400 (**33%** recovered) |" in table
+    assert f"| 2 | 0 | 0.0100 / 0.0300 -> 0.0200 {names[0]} (+50%) |" in table
+    assert "| 6 | 4 | 0.0100 / 0.0200 -> 0.0200 - |" in table
+
+
+def test_shared_structure_measures_the_rows_the_calibration_measures(tmp_path):
+    from benchmark.quality.calibration import measure, reuse_name
+    from benchmark.quality.shared_structure import measure_shared_structure, summarize_shared_structure
+    from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
+
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (1500,), generator=_gen(6)).tolist()
+    settings = dataclasses.replace(SMALL, contexts=(192,), budgets=(Fraction(1, 8), Fraction(1, 4)))
+    windows = {192: sample_windows(tokens, "rand", 192, 2, seed=0)}
+    plan = IndexerSharePlan.parse("every:2", lm.full_attention_layers)  # layer 2 reuses layer 0
+    got = measure_shared_structure(lm, windows, settings, [plan], progress=False)
+    pairwise = measure(lm, windows, dataclasses.replace(settings, scan=1), progress=False)
+    for b in settings.budgets:
+        # The same windows and rows: the calibration's own and reuse:0 errors of layer 2, to the bit.
+        assert got.mean(2, b, "every:2|learned", (192,)) == pairwise.mean(2, b, "learned", (192,))
+        assert got.mean(2, b, "every:2|reuse", (192,)) == pairwise.mean(2, b, reuse_name(0), (192,))
+        assert got.mean(0, b, "every:2|learned", (192,))[2] == 0  # a scanning layer is not measured
+    s = summarize_shared_structure(got, plan, settings)
+    for b in ("1/8", "1/4"):
+        m = s["budgets"][b]["layers"]["2"]
+        assert m["chosen_cos_diff"] <= m["reuse"] and m["best_cos_diff"] == min(
+            got.mean(2, Fraction(b), f"every:2|{c.name}", (192,))[0] for c in settings.candidates()[1:])
+
+
+def test_shared_structure_flags_are_checked(capsys):
+    from benchmark.quality import calibrate_cli
+
+    assert calibrate_cli.main(["--shared-structure", "every:2", "--scan", "2"]) == 2
+    assert "--shared-structure: expected neither --scan nor another --policy" in capsys.readouterr().err
+    assert calibrate_cli.main(["--shared-structure", "every:2", "--policy", "topology_only"]) == 2
+    assert "got --policy topology_only" in capsys.readouterr().err

@@ -569,3 +569,69 @@ def test_training_with_a_layer_shape_writes_each_layer_at_its_shape(captured, tm
     save_indexer_checkpoint(tmp_path / "ix.safetensors", projections, info)
     loaded, back = load_indexer_checkpoint(tmp_path / "ix.safetensors", model_sha256="c" * 64)
     assert back.shape_of(1) == shapes[1] and loaded[1].shape == shapes[1] and loaded[0].shape == base
+
+
+# DSA's sparse stage (DistillSettings.sparse_steps): KL over the indexer's own selected keys.
+from fractions import Fraction  # noqa: E402
+
+from benchmark.indexer.distill import selected_keys  # noqa: E402
+
+
+def test_selected_keys_by_hand():
+    # Row 0: length 5, budget 1/2 -> floor(2.5) = 2 keys: scores 3 (pos 1) and the tie 2/2
+    # at positions 2 and 4 -> the lower position (2). Row 1: length 1 -> max(1, 0) = 1 key.
+    floor = -1e30
+    scores = torch.tensor([[1.0, 3.0, 2.0, 0.0, 2.0, floor],
+                           [5.0, floor, floor, floor, floor, floor]])
+    got = selected_keys(scores, torch.tensor([5, 1]), Fraction(1, 2))
+    assert got.tolist() == [[False, True, True, False, False, False],
+                            [True, False, False, False, False, False]]
+
+
+@hsettings(max_examples=25, deadline=None)
+@given(L=st.integers(2, 60), R=st.integers(1, 10), num=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_sparse_loss_is_the_kl_over_the_selected_keys(L, R, num, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = IndexerProjectionShape(heads=2, head_dim=8, rope_dim=4, hidden_size=16, q_input_size=16)
+    torch.manual_seed(seed)
+    module = IndexerProjections(shape)
+    rows = torch.randint(0, L, (R,), generator=g).unique()
+    target = torch.rand(rows.numel(), L, generator=g) * (torch.arange(L)[None] <= rows[:, None])
+    target = target / target.sum(dim=1, keepdim=True)
+    sample = LayerSample(hidden=torch.randn(L, 16, generator=g) * 3, rows=rows, target=target)
+    budget = Fraction(num, 8)
+    fast = _TrainingTarget(sample).sparse_loss(module, budget)
+    # Plain reference, row by row: sort the causal scores (ties to the lower position), keep
+    # max(1, floor(len * budget)), renormalise the attention there, KL to their softmax.
+    logits = index_logits(module, sample).detach()
+    total = 0.0
+    for r in range(rows.numel()):
+        n = int(rows[r]) + 1
+        keep = max(1, (n * num) // 8)
+        order = sorted(range(n), key=lambda s: (-float(logits[r, s]), s))[:keep]
+        idx = torch.tensor(sorted(order))
+        p = target[r, idx] / target[r, idx].sum()
+        logq = torch.log_softmax(logits[r, idx].double(), 0)
+        total += float(torch.xlogy(p.double(), p.double()).sum() - (p.double() * logq).sum())
+    assert torch.isfinite(fast)
+    assert abs(float(fast.detach()) - total / rows.numel()) < 1e-4 * max(1.0, abs(total / rows.numel()))
+
+
+def test_the_sparse_stage_runs_after_the_dense_steps_and_lowers_its_loss(captured):
+    lm, layers, train, held = captured
+    shape = IndexerProjectionShape(heads=2, head_dim=16, rope_dim=8, hidden_size=64, q_input_size=64)
+    samples = [s[layers[0]] for s in train]
+    dense_only, dense_losses = train_layer(shape, samples, DistillSettings(steps=40, lr=1e-2, batch_windows=3), seed=1)
+    settings = DistillSettings(steps=40, lr=1e-2, batch_windows=3, sparse_steps=60, sparse_budget=Fraction(1, 8),
+                               sparse_lr=3e-3)
+    both, losses = train_layer(shape, samples, settings, seed=1)
+    assert len(losses) == 100 and losses[:40] == dense_losses  # the dense steps are the same, then the stage
+    targets = [_TrainingTarget(s) for s in samples]
+    with torch.no_grad():
+        before = sum(float(t.sparse_loss(dense_only, Fraction(1, 8))) for t in targets)
+        after = sum(float(t.sparse_loss(both, Fraction(1, 8))) for t in targets)
+    assert after < 0.9 * before, (before, after)
+    with pytest.raises(ValueError, match="sparse_budget"):
+        DistillSettings(sparse_steps=1, sparse_budget=Fraction(0))
+    with pytest.raises(ValueError, match="sparse_steps"):
+        DistillSettings(sparse_steps=-1)

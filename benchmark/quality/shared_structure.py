@@ -1,0 +1,179 @@
+"""What structure can recover for a layer that shares an indexer scan (``topology_kv_calibrate.py --shared-structure``).
+
+A sharing layer attends over the rows of the nearest scanning layer below it
+(``rtp_llm/models_py/modules/hybrid/indexer_share.py``); its own policy hook may merge its
+own structure into them. This measures, on the calibration's teacher-forced windows (one
+dense forward each, every layer on the dense model's own inputs, as
+:func:`~benchmark.quality.calibration.measure`), each sharing layer's output error
+(``cos_diff``) with
+
+* ``learned``: its own trained-indexer rows (what it would attend over if it scanned),
+* ``reuse``: its scanning layer's rows as they are (sharing alone),
+* every structural candidate of the calibration (shares x component sets, the engine's
+  component sizes) merged into the reused rows, with the layer's own witness scores.
+
+Per layer and budget the best candidate is *chosen on the same windows it is scored on*
+and kept only if it beats ``reuse`` by the calibration's margin, so the recovered share
+printed, ``(reuse - chosen) / (reuse - learned)`` summed over the sharing layers, is an
+optimistic bound on what any per-layer structure entry can give back of what sharing
+loses, in output error at that layer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Sequence
+
+import torch
+
+from benchmark.quality.calibration import CalibrationSettings, Measurements, candidate_errors
+from benchmark.quality.index_rows import dense_rows
+from benchmark.quality.layer import LayerInputs
+from benchmark.quality.model import LoadedModel
+from benchmark.quality.policy_selectors import make_policy_selector
+from benchmark.quality.selector_base import learned_rows_and_scores
+from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan
+from benchmark.quality.text import TextWindow
+from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
+from rtp_llm.models_py.modules.hybrid.topology_kv.profile import budget_key
+
+OWN = "learned"
+REUSE = "reuse"
+
+
+def _name(spec: str, candidate: str) -> str:
+    return f"{spec}|{candidate}"
+
+
+def measure_shared_structure(
+    lm: LoadedModel,
+    windows: Dict[int, List[TextWindow]],
+    settings: CalibrationSettings,
+    plans: Sequence[IndexerSharePlan],
+    progress: bool = True,
+) -> Measurements:
+    """``Measurements`` keyed ``"<plan spec>|<candidate>"`` for every sharing layer of every plan
+    (``learned``, ``reuse`` and the structural candidates on the reused rows)."""
+    from benchmark.progress import progress_bar
+
+    if settings.policy != "topology_sparse_merge":
+        raise ValueError(f"policy: expected topology_sparse_merge (a merge into the reused rows), got {settings.policy!r}")
+    structural = settings.candidates()[1:]
+    full_layers = frozenset(lm.full_attention_layers)
+    total = sum(len(w) for w in windows.values()) * len(full_layers) * len(settings.budgets)
+    bar = progress_bar(total, "shared structure", "layer-budget", progress)
+    out = Measurements()
+    for context in settings.contexts:
+        for wi, window in enumerate(windows[context]):
+            own_rows: Dict[int, Dict[int, tuple]] = {}  # budget index -> layer -> (rows, scores)
+
+            def spy(layer: LayerInputs, width: int, stats) -> torch.Tensor:
+                idx = layer.layer_idx
+                for bi, budget in enumerate(settings.budgets):
+                    w = max(1, int(context * budget))
+                    bar.set_postfix_str(f"ctx {context} win {wi} layer {idx} W {w}")
+                    own = learned_rows_and_scores(layer, w, settings.selector_settings)
+                    own_rows.setdefault(bi, {})[idx] = own
+                    rows: Dict[str, torch.Tensor] = {}
+                    for plan in plans:
+                        if plan.scans(idx):
+                            continue
+                        base = own_rows[bi][plan.source(idx)]
+                        rows[_name(plan.spec, OWN)] = own[0]
+                        rows[_name(plan.spec, REUSE)] = base[0]
+                        for cand in structural:
+                            select = make_policy_selector(settings.policy, settings.selector_settings,
+                                                          settings.policy_settings(cand), lambda _l, _w, b=base: b)
+                            rows[_name(plan.spec, cand.name)] = select(layer, w, {})
+                    if rows:
+                        for name, values in candidate_errors(layer, rows, w, settings.metric_stride).items():
+                            out.add(idx, budget, context, name, values)
+                    bar.update()
+                return dense_rows(layer.lengths, width)  # the forward itself stays dense
+
+            plan = SparsePlan(spy, context, full_layers, query_chunk=settings.query_chunk, check_rows=False)
+            ids = torch.tensor([window.token_ids], dtype=torch.int64)  # [1, T]
+            with torch.inference_mode():
+                lm.model.base_model(input_ids=ids, use_cache=False, **{PLAN_KWARG: plan})
+    bar.close()
+    return out
+
+
+def summarize_shared_structure(
+    measurements: Measurements, plan: IndexerSharePlan, settings: CalibrationSettings
+) -> Dict[str, object]:
+    """Per budget: each sharing layer's ``learned``, ``reuse``, best candidate and chosen error
+    (module doc), and the sums with the recovered share (NaN where sharing loses nothing)."""
+    structural = settings.candidates()[1:]
+    per_budget: Dict[str, object] = {}
+    for budget in settings.budgets:
+        layers, sums = {}, {"learned": 0.0, "reuse": 0.0, "chosen": 0.0}
+        for layer in plan.sparse_layers:
+            if plan.scans(layer):
+                continue
+
+            def err(candidate: str) -> float:
+                return measurements.mean(layer, budget, _name(plan.spec, candidate), settings.contexts)[0]
+
+            own, reuse = err(OWN), err(REUSE)
+            if own != own or reuse != reuse:
+                continue  # no measured row at this budget (every row dense)
+            best_err, best = min(((err(c.name), c.name) for c in structural), default=(float("nan"), None))
+            keep = best is not None and best_err < reuse * (1.0 - settings.margin)
+            chosen = best_err if keep else reuse
+            layers[str(layer)] = {
+                "reuses": plan.source(layer), "learned": own, "reuse": reuse, "best": best, "best_cos_diff": best_err,
+                "chosen": best if keep else REUSE, "chosen_cos_diff": chosen,
+                "recovered": (reuse - chosen) / (reuse - own) if reuse > own else float("nan"),
+            }
+            sums["learned"] += own
+            sums["reuse"] += reuse
+            sums["chosen"] += chosen
+        lost = sums["reuse"] - sums["learned"]
+        sums["recovered"] = (sums["reuse"] - sums["chosen"]) / lost if lost > 0 else float("nan")
+        per_budget[budget_key(budget)] = {"layers": layers, "sum": sums}
+    return {"scan": plan.spec, "scanning": list(plan.scanning), "sparse_layers": len(plan.sparse_layers),
+            "margin": settings.margin, "budgets": per_budget}
+
+
+def format_shared_structure(summary: Dict[str, object]) -> str:
+    """A markdown table per scanning set: layers x budgets, ``reuse -> chosen (recovered)``."""
+    budgets = list(summary["budgets"])
+    scanning = summary["scanning"]
+    lines = [f"### scanning {summary['scan']} ({len(scanning)} of {summary['sparse_layers']} sparse layers: "
+             f"{','.join(map(str, scanning))})",
+             "",
+             "output error (cos_diff) of each sharing layer: own learned rows / reused rows -> best structure on "
+             "them (share of the loss it recovers; `-`: no candidate beat the reused rows by the margin)",
+             "",
+             "| layer | reuses | " + " | ".join(f"W = {b}" for b in budgets) + " |",
+             "|---|---|" + "---|" * len(budgets)]
+    rows = sorted({int(x) for b in budgets for x in summary["budgets"][b]["layers"]})
+    for layer in rows:
+        cells, reuses = [], ""
+        for b in budgets:
+            m = summary["budgets"][b]["layers"].get(str(layer))
+            if m is None:
+                cells.append("")
+                continue
+            reuses = str(m["reuses"])
+            rec = m["recovered"]
+            what = "-" if m["chosen"] == REUSE else f"{m['chosen']} ({rec:+.0%})" if rec == rec else m["chosen"]
+            cells.append(f"{m['learned']:.4f} / {m['reuse']:.4f} -> {m['chosen_cos_diff']:.4f} {what}")
+        lines.append(f"| {layer} | {reuses} | " + " | ".join(cells) + " |")
+    sums = [summary["budgets"][b]["sum"] for b in budgets]
+    lines.append("| **sum** | | " + " | ".join(
+        f"{s['learned']:.4f} / {s['reuse']:.4f} -> {s['chosen']:.4f} (**{s['recovered']:.0%}** recovered)"
+        if s["recovered"] == s["recovered"] else f"{s['learned']:.4f} / {s['reuse']:.4f} (sharing loses nothing)"
+        for s in sums) + " |")
+    lines.append("\nThe best candidate is chosen on the windows it is scored on: the recovered share is an "
+                 "optimistic bound for per-layer structure on reused rows.")
+    return "\n".join(lines)
+
+
+def run_shared_structure(lm, windows, settings, plans, progress=True) -> Dict[str, object]:
+    """Measure every plan in the same forwards; ``{"seconds": s, "sets": [summary, ...]}``."""
+    start = time.perf_counter()
+    measurements = measure_shared_structure(lm, windows, settings, plans, progress=progress)
+    return {"seconds": round(time.perf_counter() - start, 1),
+            "sets": [summarize_shared_structure(measurements, p, settings) for p in plans]}
