@@ -234,7 +234,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.evaluate is not None:  # the file's shapes are the ones evaluated
         given = [flag for flag, value in (("--shape", args.shape), ("--rope-dim", args.rope_dim),
                                           ("--layer-shape", args.layer_shape or None),
-                                          ("--layer-steps", args.layer_steps or None)) if value is not None]
+                                          ("--layer-steps", args.layer_steps or None),
+                                          ("--sparse-steps", args.sparse_steps or None)) if value is not None]
         if given:
             p.error(f"{given[0]}: applies to training, not to --evaluate (the file records its shapes)")
     try:

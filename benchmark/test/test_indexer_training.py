@@ -635,3 +635,22 @@ def test_the_sparse_stage_runs_after_the_dense_steps_and_lowers_its_loss(capture
         DistillSettings(sparse_steps=1, sparse_budget=Fraction(0))
     with pytest.raises(ValueError, match="sparse_steps"):
         DistillSettings(sparse_steps=-1)
+
+
+def test_sparse_stage_flags(capsys):
+    from benchmark.indexer import train_cli
+
+    args = train_cli.parse_args(["--out", "x.safetensors", "--sparse-steps", "300", "--sparse-budget", "1/4"])
+    assert args.sparse_steps == 300 and args.sparse_budget == Fraction(1, 4) and args.sparse_lr == 3e-4
+    assert train_cli.parse_args(["--out", "x.safetensors"]).sparse_steps == 0
+    for flags, said in ((["--sparse-budget", "0"], "--sparse-budget: expected a fraction in (0, 1]"),
+                        (["--sparse-budget", "3/2"], "--sparse-budget: expected"),
+                        (["--sparse-budget", "x"], "got 'x'"),
+                        (["--sparse-steps", "-1"], "--sparse-steps: expected >= 0"),
+                        (["--sparse-lr", "0"], "--sparse-lr: expected > 0")):
+        with pytest.raises(SystemExit):
+            train_cli.parse_args(["--out", "x.safetensors"] + flags)
+        assert said in capsys.readouterr().err, flags
+    with pytest.raises(SystemExit):
+        train_cli.parse_args(["--evaluate", __file__, "--sparse-steps", "10"])
+    assert "--sparse-steps: applies to training, not to --evaluate" in capsys.readouterr().err
