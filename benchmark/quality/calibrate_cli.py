@@ -73,10 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sink-options", default=",".join(map(str, DEFAULT_SINK_OPTIONS)),
                    help="topology_only: sink-token counts to try per layer (default %(default)s; 4 = locality)")
     served = tuple(sig.value for sig in SERVED_WITNESS_SIGNALS if sig is not WitnessSignal.AUTO)
-    p.add_argument("--witness-signal", default="default", choices=("default",) + served,
+    harness = tuple(sig.value for sig in WitnessSignal if sig.value not in served and sig is not WitnessSignal.AUTO)
+    p.add_argument("--witness-signal", default="default", choices=("default",) + served + harness,
                    help="witness ranking, as serving computes it (default: serving's auto, key drift for "
                         "topology_sparse_merge, recency for topology_only); recorded in the profile, and serving "
-                        "must resolve to the same")
+                        f"must resolve to the same. The harness-only {', '.join(harness)} only with "
+                        "--shared-structure (no profile)")
+    p.add_argument("--witness-blocks", type=int, default=None,
+                   help="witness blocks of a candidate with witnesses (default: the engine's "
+                        f"{CalibrationSettings.witness_blocks}); the share of W still caps the structure")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per structural block, only with --shared-structure (a profile's blocks are the "
+                        f"engine's KV page, {CalibrationSettings.block_size})")
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="relative error cut structure must bring "
                    "over share 0 to be kept (default %(default)s)")
     p.add_argument("--no-guard", action="store_true", help="skip the end-to-end guard (per budget, the chosen "
@@ -163,6 +171,17 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         raise UsageError(f"--shared-structure: expected neither --scan nor another --policy (it measures merges of "
                          f"{MODE} into reused rows and writes no profile), got "
                          f"{'--scan ' + shown(args.scan) if scan is not None else '--policy ' + args.policy}")
+    if not args.shared_structure:
+        if args.block_size is not None:
+            raise UsageError(f"--block-size: expected only with --shared-structure (a profile's blocks are the engine's "
+                             f"KV page), got --block-size {args.block_size}")
+        if args.witness_signal not in ("default",) + tuple(sig.value for sig in SERVED_WITNESS_SIGNALS):
+            raise UsageError(f"--witness-signal: {args.witness_signal} is computed by the harness only; expected it "
+                             f"only with --shared-structure (a profile's signal must be one serving computes)")
+    for flag in ("block_size", "witness_blocks"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}: expected >= 1, got {value}")
     if args.text is not None and not is_file(user_path(args.text)):
         raise UsageError(f"--text: no such file {shown(str(user_path(args.text)))}")
     try:  # before the model load and the 15-28 min calibration, not after
@@ -183,6 +202,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             selector_settings=SelectorSettings(fp8=not args.no_fp8, trained=trained, trained_source=trained_source),
             policy=args.policy,
             sink_options=tuple(sink_options), witness_signal=args.witness_signal,
+            harness_signals=bool(args.shared_structure),
+            **{flag: getattr(args, flag) for flag in ("block_size", "witness_blocks") if getattr(args, flag) is not None},
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -248,8 +269,18 @@ def shared_structure(args, lm, windows, settings, out_dir, command: str) -> int:
         plans.append(plan)
     result = run_shared_structure(lm, windows, settings, plans, progress=not args.no_progress)
     result.update(command=command, model=lm.gguf_path.name if lm.gguf_path is not None else None,
-                  contexts=list(settings.contexts), windows=args.windows)
-    table = "\n\n".join(format_shared_structure(s) for s in result["sets"])
+                  contexts=list(settings.contexts), windows=args.windows,
+                  candidates={"count": len(settings.candidates()) - 1,
+                              "shares": [f"{x.numerator}/{x.denominator}" for x in settings.shares],
+                              "component_sets": ["+".join(sorted(c)) for c in settings.component_sets],
+                              "block_size": settings.block_size, "sink_tokens": settings.sink_tokens,
+                              "local_blocks": settings.local_blocks, "witness_blocks": settings.witness_blocks,
+                              "witness_signal": settings.resolved_witness_signal})
+    c = result["candidates"]
+    header = (f"candidates: {c['count']} (shares {', '.join(c['shares'])} x {', '.join(c['component_sets'])}; "
+              f"{c['block_size']}-token blocks, {c['sink_tokens']} sink tokens, {c['local_blocks']} local and "
+              f"{c['witness_blocks']} witness blocks ranked by {c['witness_signal']})")
+    table = header + "\n\n" + "\n\n".join(format_shared_structure(s) for s in result["sets"])
     (out_dir / "shared_structure.json").write_text(json.dumps(result, indent=1))
     (out_dir / "shared_structure.md").write_text(f"`{command}`\n\n{table}\n")
     print(table)

@@ -147,6 +147,8 @@ class CalibrationSettings:
         each layer loses by reusing the learned rows of every sparse layer below it and writes
         the scanning set into the profile's ``indexer_share`` (merge modes only;
         :func:`choose_scanning`)
+    harness_signals : also accept the witness signals only the harness computes (the
+        query-aware ones): for measurements that write no profile (``--shared-structure``)
     """
 
     contexts: Tuple[int, ...]
@@ -165,6 +167,7 @@ class CalibrationSettings:
     policy: str = MODE
     sink_options: Tuple[int, ...] = DEFAULT_SINK_OPTIONS
     scan: Optional[int] = None
+    harness_signals: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -176,13 +179,13 @@ class CalibrationSettings:
                 raise ValueError("scan: expected no scanning set for topology_only (it replaces the rows a sharing "
                                  "layer would reuse)")
         try:
-            served = WitnessSignal.parse(self.witness_signal).served
+            signal = WitnessSignal.parse(self.witness_signal)
         except ValueError:
-            served = False
-        if not served:
+            signal = None
+        if signal is None or not (signal.served or self.harness_signals):
             raise ValueError(
-                f"witness_signal: expected default, key_drift or recency (what serving computes), "
-                f"got {self.witness_signal!r}"
+                f"witness_signal: expected default, key_drift or recency (what serving computes"
+                f"{'; or a harness-only signal' if self.harness_signals else ''}), got {self.witness_signal!r}"
             )
         if not self.sink_options or any(isinstance(n, bool) or not isinstance(n, int) or n < 0
                                         for n in self.sink_options):

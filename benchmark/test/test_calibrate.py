@@ -745,18 +745,20 @@ def test_shared_structure_summary_by_hand():
     assert "| 6 | 4 | 0.0100 / 0.0200 -> 0.0200 - |" in table
 
 
-def test_shared_structure_measures_the_rows_the_calibration_measures(tmp_path):
+@pytest.mark.parametrize("signal", ["default", "query_mass"])
+def test_shared_structure_measures_the_rows_the_calibration_measures(tmp_path, signal):
     from benchmark.quality.calibration import measure, reuse_name
     from benchmark.quality.shared_structure import measure_shared_structure, summarize_shared_structure
     from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
 
     lm = _tiny_model()
     tokens = torch.randint(0, 100, (1500,), generator=_gen(6)).tolist()
-    settings = dataclasses.replace(SMALL, contexts=(192,), budgets=(Fraction(1, 8), Fraction(1, 4)))
+    settings = dataclasses.replace(SMALL, contexts=(192,), budgets=(Fraction(1, 8), Fraction(1, 4)),
+                                   witness_signal=signal, harness_signals=True)
     windows = {192: sample_windows(tokens, "rand", 192, 2, seed=0)}
     plan = IndexerSharePlan.parse("every:2", lm.full_attention_layers)  # layer 2 reuses layer 0
     got = measure_shared_structure(lm, windows, settings, [plan], progress=False)
-    pairwise = measure(lm, windows, dataclasses.replace(settings, scan=1), progress=False)
+    pairwise = measure(lm, windows, dataclasses.replace(settings, scan=1, witness_signal="default"), progress=False)
     for b in settings.budgets:
         # The same windows and rows: the calibration's own and reuse:0 errors of layer 2, to the bit.
         assert got.mean(2, b, "every:2|learned", (192,)) == pairwise.mean(2, b, "learned", (192,))
@@ -776,3 +778,14 @@ def test_shared_structure_flags_are_checked(capsys):
     assert "--shared-structure: expected neither --scan nor another --policy" in capsys.readouterr().err
     assert calibrate_cli.main(["--shared-structure", "every:2", "--policy", "topology_only"]) == 2
     assert "got --policy topology_only" in capsys.readouterr().err
+    # The harness-only witness signals and other block sizes: only for the diagnostic (no profile).
+    assert calibrate_cli.main(["--witness-signal", "query_mass"]) == 2
+    assert "--witness-signal: query_mass is computed by the harness only" in capsys.readouterr().err
+    assert calibrate_cli.main(["--block-size", "8"]) == 2
+    assert "--block-size: expected only with --shared-structure" in capsys.readouterr().err
+    for flag in ("--block-size", "--witness-blocks"):
+        assert calibrate_cli.main(["--shared-structure", "every:2", flag, "0"]) == 2
+        assert f"{flag}: expected >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="witness_signal: expected default, key_drift or recency"):
+        dataclasses.replace(SMALL, witness_signal="query_mass")
+    assert dataclasses.replace(SMALL, witness_signal="query_mass", harness_signals=True).resolved_witness_signal == "query_mass"
