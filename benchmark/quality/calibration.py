@@ -344,6 +344,40 @@ class Measurements:
         )
 
 
+def teacher_forced_passes(
+    lm: LoadedModel,
+    windows: Dict[int, List[TextWindow]],
+    settings: CalibrationSettings,
+    start_window,
+    desc: str,
+    progress: bool = True,
+) -> None:
+    """One dense forward per window, every full-attention layer visited on its own dense inputs.
+
+    ``start_window(context, window_index, bar) -> visit(layer)``: called before each window's
+    forward; ``visit`` sees each full-attention layer in ascending order (and updates
+    ``bar``, sized layers x budgets x windows). The forward itself stays dense.
+    """
+    from benchmark.progress import progress_bar
+
+    full_layers = frozenset(lm.full_attention_layers)
+    total = sum(len(w) for w in windows.values()) * len(full_layers) * len(settings.budgets)
+    bar = progress_bar(total, desc, "layer-budget", progress)
+    for context in settings.contexts:
+        for wi, window in enumerate(windows[context]):
+            visit = start_window(context, wi, bar)
+
+            def spy(layer: LayerInputs, width: int, stats) -> torch.Tensor:
+                visit(layer)
+                return dense_rows(layer.lengths, width)
+
+            plan = SparsePlan(spy, context, full_layers, query_chunk=settings.query_chunk, check_rows=False)
+            ids = torch.tensor([window.token_ids], dtype=torch.int64)  # [1, T]
+            with torch.inference_mode():
+                lm.model.base_model(input_ids=ids, use_cache=False, **{PLAN_KWARG: plan})
+    bar.close()
+
+
 def measure(
     lm: LoadedModel,
     windows: Dict[int, List[TextWindow]],
@@ -351,40 +385,32 @@ def measure(
     progress: bool = True,
 ) -> Measurements:
     """One dense forward per window; every full-attention layer measured on its own dense inputs."""
-    from benchmark.progress import progress_bar
-
     candidates = settings.candidates()
-    full_layers = frozenset(lm.full_attention_layers)
-    total = sum(len(w) for w in windows.values()) * len(full_layers) * len(settings.budgets)
-    bar = progress_bar(total, "calibrate", "layer-budget", progress)
     out = Measurements()
-    for context in settings.contexts:
-        for wi, window in enumerate(windows[context]):
-            # budget -> (layer, learned rows) of every sparse layer measured so far (with a scan set)
-            below: Dict[Fraction, List[Tuple[int, torch.Tensor]]] = {}
 
-            def spy(layer: LayerInputs, width: int, stats) -> torch.Tensor:
-                for budget in settings.budgets:
-                    w = max(1, int(context * budget))
-                    bar.set_postfix_str(f"ctx {context} win {wi} layer {layer.layer_idx} W {w}")
-                    rows = candidate_rows(layer, w, settings, candidates)
-                    own = rows[candidates[0].name]
-                    if settings.scan is not None:
-                        for source, reused in below.get(budget, ()):
-                            rows[reuse_name(source)] = reused
-                            out.add_overlap(layer.layer_idx, source, budget, context,
-                                            top_k_overlap(own, reused, layer))
-                        below.setdefault(budget, []).append((layer.layer_idx, own))
-                    for name, values in candidate_errors(layer, rows, w, settings.metric_stride).items():
-                        out.add(layer.layer_idx, budget, context, name, values)
-                    bar.update()
-                return dense_rows(layer.lengths, width)  # the forward itself stays dense
+    def start_window(context: int, wi: int, bar):
+        # budget -> (layer, learned rows) of every sparse layer measured so far (with a scan set)
+        below: Dict[Fraction, List[Tuple[int, torch.Tensor]]] = {}
 
-            plan = SparsePlan(spy, context, full_layers, query_chunk=settings.query_chunk, check_rows=False)
-            ids = torch.tensor([window.token_ids], dtype=torch.int64)  # [1, T]
-            with torch.inference_mode():
-                lm.model.base_model(input_ids=ids, use_cache=False, **{PLAN_KWARG: plan})
-    bar.close()
+        def visit(layer: LayerInputs) -> None:
+            for budget in settings.budgets:
+                w = max(1, int(context * budget))
+                bar.set_postfix_str(f"ctx {context} win {wi} layer {layer.layer_idx} W {w}")
+                rows = candidate_rows(layer, w, settings, candidates)
+                own = rows[candidates[0].name]
+                if settings.scan is not None:
+                    for source, reused in below.get(budget, ()):
+                        rows[reuse_name(source)] = reused
+                        out.add_overlap(layer.layer_idx, source, budget, context,
+                                        top_k_overlap(own, reused, layer))
+                    below.setdefault(budget, []).append((layer.layer_idx, own))
+                for name, values in candidate_errors(layer, rows, w, settings.metric_stride).items():
+                    out.add(layer.layer_idx, budget, context, name, values)
+                bar.update()
+
+        return visit
+
+    teacher_forced_passes(lm, windows, settings, start_window, "calibrate", progress)
     return out
 
 

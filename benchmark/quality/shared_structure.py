@@ -26,13 +26,11 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from benchmark.quality.calibration import CalibrationSettings, Measurements, candidate_errors
-from benchmark.quality.index_rows import dense_rows
+from benchmark.quality.calibration import CalibrationSettings, Measurements, candidate_errors, teacher_forced_passes
 from benchmark.quality.layer import LayerInputs
 from benchmark.quality.model import LoadedModel
 from benchmark.quality.policy_selectors import make_policy_selector
 from benchmark.quality.selector_base import learned_rows_and_scores
-from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan
 from benchmark.quality.text import TextWindow
 from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
 from rtp_llm.models_py.modules.hybrid.topology_kv.profile import budget_key
@@ -54,48 +52,40 @@ def measure_shared_structure(
 ) -> Measurements:
     """``Measurements`` keyed ``"<plan spec>|<candidate>"`` for every sharing layer of every plan
     (``learned``, ``reuse`` and the structural candidates on the reused rows)."""
-    from benchmark.progress import progress_bar
-
     if settings.policy != "topology_sparse_merge":
         raise ValueError(f"policy: expected topology_sparse_merge (a merge into the reused rows), got {settings.policy!r}")
     structural = settings.candidates()[1:]
-    full_layers = frozenset(lm.full_attention_layers)
-    total = sum(len(w) for w in windows.values()) * len(full_layers) * len(settings.budgets)
-    bar = progress_bar(total, "shared structure", "layer-budget", progress)
     out = Measurements()
-    for context in settings.contexts:
-        for wi, window in enumerate(windows[context]):
-            own_rows: Dict[int, Dict[int, tuple]] = {}  # budget index -> layer -> (rows, scores)
 
-            def spy(layer: LayerInputs, width: int, stats) -> torch.Tensor:
-                idx = layer.layer_idx
-                for bi, budget in enumerate(settings.budgets):
-                    w = max(1, int(context * budget))
-                    bar.set_postfix_str(f"ctx {context} win {wi} layer {idx} W {w}")
-                    own = learned_rows_and_scores(layer, w, settings.selector_settings)
-                    own_rows.setdefault(bi, {})[idx] = own
-                    rows: Dict[str, torch.Tensor] = {}
-                    for plan in plans:
-                        if plan.scans(idx):
-                            continue
-                        base = own_rows[bi][plan.source(idx)]
-                        rows[_name(plan.spec, OWN)] = own[0]
-                        rows[_name(plan.spec, REUSE)] = base[0]
-                        for cand in structural:
-                            select = make_policy_selector(settings.policy, settings.selector_settings,
-                                                          settings.policy_settings(cand), lambda _l, _w, b=base: b)
-                            rows[_name(plan.spec, cand.name)] = select(layer, w, {})
-                    if rows:
-                        for name, values in candidate_errors(layer, rows, w, settings.metric_stride).items():
-                            out.add(idx, budget, context, name, values)
-                    bar.update()
-                return dense_rows(layer.lengths, width)  # the forward itself stays dense
+    def start_window(context: int, wi: int, bar):
+        own_rows: Dict[int, Dict[int, tuple]] = {}  # budget index -> layer -> (rows, scores)
 
-            plan = SparsePlan(spy, context, full_layers, query_chunk=settings.query_chunk, check_rows=False)
-            ids = torch.tensor([window.token_ids], dtype=torch.int64)  # [1, T]
-            with torch.inference_mode():
-                lm.model.base_model(input_ids=ids, use_cache=False, **{PLAN_KWARG: plan})
-    bar.close()
+        def visit(layer: LayerInputs) -> None:
+            idx = layer.layer_idx
+            for bi, budget in enumerate(settings.budgets):
+                w = max(1, int(context * budget))
+                bar.set_postfix_str(f"ctx {context} win {wi} layer {idx} W {w}")
+                own = learned_rows_and_scores(layer, w, settings.selector_settings)
+                own_rows.setdefault(bi, {})[idx] = own
+                rows: Dict[str, torch.Tensor] = {}
+                for plan in plans:
+                    if plan.scans(idx):
+                        continue
+                    base = own_rows[bi][plan.source(idx)]
+                    rows[_name(plan.spec, OWN)] = own[0]
+                    rows[_name(plan.spec, REUSE)] = base[0]
+                    for cand in structural:
+                        select = make_policy_selector(settings.policy, settings.selector_settings,
+                                                      settings.policy_settings(cand), lambda _l, _w, b=base: b)
+                        rows[_name(plan.spec, cand.name)] = select(layer, w, {})
+                if rows:
+                    for name, values in candidate_errors(layer, rows, w, settings.metric_stride).items():
+                        out.add(idx, budget, context, name, values)
+                bar.update()
+
+        return visit
+
+    teacher_forced_passes(lm, windows, settings, start_window, "shared structure", progress)
     return out
 
 
