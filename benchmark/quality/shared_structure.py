@@ -26,7 +26,13 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from benchmark.quality.calibration import CalibrationSettings, Measurements, candidate_errors, teacher_forced_passes
+from benchmark.quality.calibration import (
+    CalibrationSettings,
+    Measurements,
+    candidate_errors,
+    reuse_name,
+    teacher_forced_passes,
+)
 from benchmark.quality.layer import LayerInputs
 from benchmark.quality.model import LoadedModel
 from benchmark.quality.policy_selectors import make_policy_selector
@@ -39,8 +45,13 @@ OWN = "learned"
 REUSE = "reuse"
 
 
-def _name(spec: str, candidate: str) -> str:
-    return f"{spec}|{candidate}"
+def merged_name(source: int, candidate: str) -> str:
+    """The measured rows of ``candidate`` merged into the learned rows of sparse layer ``source``.
+
+    A candidate's rows depend only on the layer, the rows it merges into and the candidate,
+    so every scanning set in which a layer reuses ``source`` shares one measurement.
+    """
+    return f"{reuse_name(source)}|{candidate}"
 
 
 def measure_shared_structure(
@@ -50,8 +61,9 @@ def measure_shared_structure(
     plans: Sequence[IndexerSharePlan],
     progress: bool = True,
 ) -> Measurements:
-    """``Measurements`` keyed ``"<plan spec>|<candidate>"`` for every sharing layer of every plan
-    (``learned``, ``reuse`` and the structural candidates on the reused rows)."""
+    """``Measurements`` of every layer that shares under some plan: ``learned`` (its own rows),
+    ``reuse:<j>`` (the rows of each sparse layer ``j`` it reuses under some plan) and
+    :func:`merged_name` ``(j, candidate)`` (each structural candidate merged into them)."""
     if settings.policy != "topology_sparse_merge":
         raise ValueError(f"policy: expected topology_sparse_merge (a merge into the reused rows), got {settings.policy!r}")
     structural = settings.candidates()[1:]
@@ -68,16 +80,14 @@ def measure_shared_structure(
                 own = learned_rows_and_scores(layer, w, settings.selector_settings)
                 own_rows.setdefault(bi, {})[idx] = own
                 rows: Dict[str, torch.Tensor] = {}
-                for plan in plans:
-                    if plan.scans(idx):
-                        continue
-                    base = own_rows[bi][plan.source(idx)]
-                    rows[_name(plan.spec, OWN)] = own[0]
-                    rows[_name(plan.spec, REUSE)] = base[0]
+                for source in sorted({plan.source(idx) for plan in plans if not plan.scans(idx)}):
+                    base = own_rows[bi][source]
+                    rows[OWN] = own[0]
+                    rows[reuse_name(source)] = base[0]
                     for cand in structural:
                         select = make_policy_selector(settings.policy, settings.selector_settings,
                                                       settings.policy_settings(cand), lambda _l, _w, b=base: b)
-                        rows[_name(plan.spec, cand.name)] = select(layer, w, {})
+                        rows[merged_name(source, cand.name)] = select(layer, w, {})
                 if rows:
                     for name, values in candidate_errors(layer, rows, w, settings.metric_stride).items():
                         out.add(idx, budget, context, name, values)
@@ -102,17 +112,19 @@ def summarize_shared_structure(
             if plan.scans(layer):
                 continue
 
-            def err(candidate: str) -> float:
-                return measurements.mean(layer, budget, _name(plan.spec, candidate), settings.contexts)[0]
+            def err(name: str) -> float:
+                return measurements.mean(layer, budget, name, settings.contexts)[0]
 
-            own, reuse = err(OWN), err(REUSE)
+            source = plan.source(layer)
+            own, reuse = err(OWN), err(reuse_name(source))
             if own != own or reuse != reuse:
                 continue  # no measured row at this budget (every row dense)
-            best_err, best = min(((err(c.name), c.name) for c in structural), default=(float("nan"), None))
+            best_err, best = min(((err(merged_name(source, c.name)), c.name) for c in structural),
+                                 default=(float("nan"), None))
             keep = best is not None and best_err < reuse * (1.0 - settings.margin)
             chosen = best_err if keep else reuse
             layers[str(layer)] = {
-                "reuses": plan.source(layer), "learned": own, "reuse": reuse, "best": best, "best_cos_diff": best_err,
+                "reuses": source, "learned": own, "reuse": reuse, "best": best, "best_cos_diff": best_err,
                 "chosen": best if keep else REUSE, "chosen_cos_diff": chosen,
                 "recovered": (reuse - chosen) / (reuse - own) if reuse > own else float("nan"),
             }

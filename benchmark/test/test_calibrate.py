@@ -727,11 +727,11 @@ def test_shared_structure_summary_by_hand():
     names = [c.name for c in settings.candidates()[1:]]
     # layer 2: own 0.010, reuse 0.030, best candidate 0.020 (kept: below 0.030 * 0.95): recovers half.
     # layer 6: own 0.010, reuse 0.020, best 0.0195 (not past the margin): recovers nothing.
-    for layer, own, reuse, best in ((2, 0.010, 0.030, 0.020), (6, 0.010, 0.020, 0.0195)):
-        m.add(layer, b, 128, "0,4|learned", (own, 0.0, 1))
-        m.add(layer, b, 128, "0,4|reuse", (reuse, 0.0, 1))
+    for layer, source, own, reuse, best in ((2, 0, 0.010, 0.030, 0.020), (6, 4, 0.010, 0.020, 0.0195)):
+        m.add(layer, b, 128, "learned", (own, 0.0, 1))
+        m.add(layer, b, 128, f"reuse:{source}", (reuse, 0.0, 1))
         for i, name in enumerate(names):
-            m.add(layer, b, 128, f"0,4|{name}", (best + 0.001 * i, 0.0, 1))
+            m.add(layer, b, 128, f"reuse:{source}|{name}", (best + 0.001 * i, 0.0, 1))
     s = summarize_shared_structure(m, plan, settings)
     l2, l6 = s["budgets"]["1/4"]["layers"]["2"], s["budgets"]["1/4"]["layers"]["6"]
     assert l2["reuses"] == 0 and l2["chosen"] == names[0] and l2["recovered"] == pytest.approx(0.5)
@@ -748,7 +748,7 @@ def test_shared_structure_summary_by_hand():
 @pytest.mark.parametrize("signal", ["default", "query_mass"])
 def test_shared_structure_measures_the_rows_the_calibration_measures(tmp_path, signal):
     from benchmark.quality.calibration import measure, reuse_name
-    from benchmark.quality.shared_structure import measure_shared_structure, summarize_shared_structure
+    from benchmark.quality.shared_structure import measure_shared_structure, merged_name, summarize_shared_structure
     from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
 
     lm = _tiny_model()
@@ -761,14 +761,14 @@ def test_shared_structure_measures_the_rows_the_calibration_measures(tmp_path, s
     pairwise = measure(lm, windows, dataclasses.replace(settings, scan=1, witness_signal="default"), progress=False)
     for b in settings.budgets:
         # The same windows and rows: the calibration's own and reuse:0 errors of layer 2, to the bit.
-        assert got.mean(2, b, "every:2|learned", (192,)) == pairwise.mean(2, b, "learned", (192,))
-        assert got.mean(2, b, "every:2|reuse", (192,)) == pairwise.mean(2, b, reuse_name(0), (192,))
-        assert got.mean(0, b, "every:2|learned", (192,))[2] == 0  # a scanning layer is not measured
+        assert got.mean(2, b, "learned", (192,)) == pairwise.mean(2, b, "learned", (192,))
+        assert got.mean(2, b, reuse_name(0), (192,)) == pairwise.mean(2, b, reuse_name(0), (192,))
+        assert got.mean(0, b, "learned", (192,))[2] == 0  # a scanning layer is not measured
     s = summarize_shared_structure(got, plan, settings)
     for b in ("1/8", "1/4"):
         m = s["budgets"][b]["layers"]["2"]
         assert m["chosen_cos_diff"] <= m["reuse"] and m["best_cos_diff"] == min(
-            got.mean(2, Fraction(b), f"every:2|{c.name}", (192,))[0] for c in settings.candidates()[1:])
+            got.mean(2, Fraction(b), merged_name(0, c.name), (192,))[0] for c in settings.candidates()[1:])
 
 
 def test_shared_structure_flags_are_checked(capsys):
