@@ -101,14 +101,14 @@ def _int_list(text: str) -> List[int]:
 
 
 def _sparse_budget(p: argparse.ArgumentParser, text: str) -> Fraction:
-    """``--sparse-budget``: a fraction in (0, 1] such as 1/8."""
+    """``--sparse-budget``: a fraction of the row in (0, 1] (the harness's budget parser)."""
+    from benchmark.quality.cli import parse_budget
+    from benchmark.quality.errors import UsageError
+
     try:
-        value = Fraction(text.strip())
-    except (ValueError, ZeroDivisionError):
-        value = None
-    if value is None or not 0 < value <= 1:
-        p.error(f"--sparse-budget: expected a fraction in (0, 1] such as 1/8, got {text!r}")
-    return value
+        return parse_budget(text, "--sparse-budget")
+    except UsageError as exc:
+        p.error(str(exc))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -646,8 +646,8 @@ def test_sparse_stage_flags(capsys):
     args = train_cli.parse_args(["--out", "x.safetensors", "--sparse-steps", "300", "--sparse-budget", "1/4"])
     assert args.sparse_steps == 300 and args.sparse_budget == Fraction(1, 4) and args.sparse_lr == 3e-4
     assert train_cli.parse_args(["--out", "x.safetensors"]).sparse_steps == 0
-    for flags, said in ((["--sparse-budget", "0"], "--sparse-budget: expected a fraction in (0, 1]"),
-                        (["--sparse-budget", "3/2"], "--sparse-budget: expected"),
+    for flags, said in ((["--sparse-budget", "0"], "--sparse-budget: expected a budget > 0"),
+                        (["--sparse-budget", "3/2"], "--sparse-budget: budget '3/2' exceeds the context"),
                         (["--sparse-budget", "x"], "got 'x'"),
                         (["--sparse-steps", "-1"], "--sparse-steps: expected >= 0"),
                         (["--sparse-lr", "0"], "--sparse-lr: expected > 0")):
