@@ -192,6 +192,48 @@ def query_mass_scores_unchecked(
     return _softmax_block_mass(logits, lengths, block_size, D ** -0.5 if scale is None else scale)
 
 
+def query_group_mass_scores(
+    query: torch.Tensor,
+    key_centroids: torch.Tensor,
+    lengths: Optional[torch.Tensor] = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Witness scores of :attr:`WitnessSignal.QUERY_GROUP_MASS`: :func:`query_mass_scores` per KV head.
+
+    The query heads that read KV head ``g`` are pooled to their mean ``qbar[r, g]``;
+    ``score[r, b] = sum_g softmax_b(scale * qbar[r, g] . c[b, g])`` over the row's eligible
+    blocks, ineligible blocks 0, each row summing to ``Hkv``. With ``H == Hkv`` it is
+    :func:`query_mass_scores`.
+
+    Parameters
+    ----------
+    query, key_centroids, lengths, block_size, scale : as in :func:`query_mass_scores`
+
+    Returns
+    -------
+    float32 ``[R, N]``. Cost ``R N Hkv D`` multiply-adds (``H / Hkv`` times fewer than
+    :func:`query_mass_scores`) plus a softmax over ``[R, Hkv, N]``.
+    """
+    _check_query_tables(query, {"key_centroids": key_centroids}, lengths, block_size, scale)
+    return query_group_mass_scores_unchecked(query, key_centroids, lengths, block_size, scale)
+
+
+def query_group_mass_scores_unchecked(
+    query: torch.Tensor,
+    key_centroids: torch.Tensor,
+    lengths: Optional[torch.Tensor] = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """:func:`query_group_mass_scores` without validation (no host sync)."""
+    R, H, D = query.shape
+    Hkv = key_centroids.shape[-2]
+    q = query.to(torch.float32).view(R, Hkv, H // Hkv, D).mean(dim=2, keepdim=True)  # [R, Hkv, 1, D]
+    logits = _query_block_dot(q, key_centroids.to(torch.float32))
+    return _softmax_block_mass(logits, lengths, block_size, D ** -0.5 if scale is None else scale)
+
+
 def query_bound_scores(
     query: torch.Tensor,
     key_min: torch.Tensor,

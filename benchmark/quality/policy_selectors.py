@@ -131,7 +131,8 @@ PolicySettings.__doc__ = """Policy configuration used by every policy selector (
         mode then selects exactly what ``topology_sparse_merge`` does.
     witness_signal : a ``WitnessSignal`` value: ``default`` / ``auto`` (the engine's, per mode,
         :func:`default_witness_signal`), ``recency``, ``key_drift``, or a harness-only one
-        (``value_drift``, ``query_centroid``, ``query_mass``, ``query_bound``)
+        (``value_drift``, ``query_centroid``, ``query_mass``, ``query_bound``,
+        ``query_group_mass``)
     mode_overrides : ``((mode, ((field, value), ...)), ...)``: settings that differ for one
         mode (e.g. ``topology_only`` with smaller blocks), applied by :meth:`for_mode`
     """
@@ -226,6 +227,8 @@ def layer_witness_scores(layer: LayerInputs, block_size: int, signal: str) -> Tu
     cents = block_key_centroids(keys, block_size=block_size)  # [N, Hkv, D]
     if signal is WitnessSignal.QUERY_MASS:
         return witness.query_mass_scores(query, cents, layer.lengths, block_size, scale=layer.scaling), False
+    if signal is WitnessSignal.QUERY_GROUP_MASS:
+        return witness.query_group_mass_scores(query, cents, layer.lengths, block_size, scale=layer.scaling), False
     return witness.query_centroid_scores(query, cents), False  # [T, N]
 
 

@@ -271,7 +271,7 @@ def test_witness_signal_parsing():
     assert WitnessSignal.parse(" Default ") is WitnessSignal.AUTO  # the harness's spelling of auto
     # One vocabulary: the error lists every signal, served and harness-only.
     with pytest.raises(ValueError, match="witness_signal: expected one of \\[auto, key_drift, recency, value_drift, "
-                                         "query_centroid, query_mass, query_bound\\]"):
+                                         "query_centroid, query_mass, query_bound, query_group_mass\\]"):
         WitnessSignal.parse("attention")
 
 
@@ -358,11 +358,11 @@ def test_query_bound_scores_hand_computed():
     groups=st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]),
     per_row=st.booleans(),
     with_lengths=st.booleans(),
-    signal=st.sampled_from(["query_bound", "query_mass"]),
+    signal=st.sampled_from(["query_bound", "query_mass", "query_group_mass"]),
     seed=st.integers(0, 2**16),
 )
 def test_query_mass_and_bound_scores_vs_reference(R, N, groups, per_row, with_lengths, signal, seed):
-    from benchmark.candidates.witness import query_bound_scores, query_mass_scores
+    from benchmark.candidates.witness import query_bound_scores, query_group_mass_scores, query_mass_scores
 
     H, Hkv = groups
     D, bs = 5, 4
@@ -375,6 +375,8 @@ def test_query_mass_and_bound_scores_vs_reference(R, N, groups, per_row, with_le
     dev_lengths = None if lengths is None else lengths.to(DEVICE)
     if signal == "query_bound":
         got = query_bound_scores(q.to(DEVICE), kmin.to(DEVICE), kmax.to(DEVICE), dev_lengths, bs).cpu()
+    elif signal == "query_group_mass":
+        got = query_group_mass_scores(q.to(DEVICE), a.to(DEVICE), dev_lengths, bs).cpu()
     else:
         got = query_mass_scores(q.to(DEVICE), a.to(DEVICE), dev_lengths, bs).cpu()
     for r in range(R):
@@ -382,10 +384,13 @@ def test_query_mass_and_bound_scores_vs_reference(R, N, groups, per_row, with_le
         row = (lambda t: t[r]) if per_row else (lambda t: t)
         if signal == "query_bound":
             want = ref.reference_query_bound_scores(q[r], row(kmin), row(kmax), length, bs, D ** -0.5)
+        elif signal == "query_group_mass":
+            want = ref.reference_query_group_mass_scores(q[r], row(a), length, bs, D ** -0.5)
         else:
             want = ref.reference_query_mass_scores(q[r], row(a), length, bs, D ** -0.5)
         assert torch.allclose(got[r].to(torch.float64), torch.tensor(want, dtype=torch.float64), atol=1e-5)
-        assert abs(float(got[r].sum()) - H) < 1e-4  # each head contributes mass 1
+        # each head (each KV head's group, for query_group_mass) contributes mass 1
+        assert abs(float(got[r].sum()) - (Hkv if signal == "query_group_mass" else H)) < 1e-4
         if length is not None:
             assert not got[r, (length + bs - 1) // bs :].any()  # blocks past the row score 0
 
@@ -406,6 +411,28 @@ def test_query_mass_scores_hand_computed():
     assert torch.allclose(query_mass_scores(q, c).cpu(), want)
     # Length 3 with block size 4: one eligible block takes both heads' mass.
     assert query_mass_scores(q, c, lengths=torch.tensor([3], device=DEVICE), block_size=4).cpu().tolist() == [[2.0, 0.0]]
+
+
+def test_query_group_mass_scores_hand_computed():
+    from benchmark.candidates.witness import query_group_mass_scores, query_mass_scores
+
+    # Two heads share one KV head, D=2, scale 1: their mean query (1, 0) against centroids
+    # (1, 0) and (0, 1) gives logits 1, 0 -> e/(e+1), 1/(e+1); one softmax, the row sums to 1.
+    q = torch.tensor([[[2.0, 0.0], [0.0, 0.0]]], device=DEVICE)
+    c = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]], device=DEVICE)
+    e1 = torch.tensor(1.0).exp()
+    want = torch.stack([e1 / (e1 + 1), 1 / (e1 + 1)]).unsqueeze(0)
+    assert torch.allclose(query_group_mass_scores(q, c, scale=1.0).cpu(), want)
+    # Length 3 with block size 4: one eligible block takes the group's mass.
+    got = query_group_mass_scores(q, c, lengths=torch.tensor([3], device=DEVICE), block_size=4).cpu()
+    assert got.tolist() == [[1.0, 0.0]]
+    # One query head per KV head: the same as query_mass.
+    gen = _gen(3)
+    q2, c2 = torch.randn(3, 2, 4, generator=gen).to(DEVICE), torch.randn(5, 2, 4, generator=gen).to(DEVICE)
+    lengths = torch.tensor([1, 9, 20], device=DEVICE)
+    assert torch.equal(query_group_mass_scores(q2, c2, lengths, 4), query_mass_scores(q2, c2, lengths, 4))
+    with pytest.raises(ValueError, match="key_centroids: expected \\[..., Hkv, 4\\]"):
+        query_group_mass_scores(q2, torch.zeros(5, 3, 4, device=DEVICE))
 
 
 def test_query_bound_scores_bad_input_names_argument():

@@ -127,6 +127,8 @@ class WitnessSignal(enum.Enum):
                    and summed over heads: the estimated attention mass (harness only)
     QUERY_BOUND    as QUERY_MASS with ``sum_d max(q_d kmin_d, q_d kmax_d)``, an upper bound on
                    ``q . k`` over the block as in Quest (harness only)
+    QUERY_GROUP_MASS as QUERY_MASS with each KV head's group of query heads pooled to its
+                   mean query: one softmax per KV head, ``H / Hkv`` times cheaper (harness only)
     """
 
     AUTO = "auto"
@@ -136,6 +138,7 @@ class WitnessSignal(enum.Enum):
     QUERY_CENTROID = "query_centroid"
     QUERY_MASS = "query_mass"
     QUERY_BOUND = "query_bound"
+    QUERY_GROUP_MASS = "query_group_mass"
 
     @classmethod
     def parse(cls, value: Union[str, "WitnessSignal"], setting: str = "witness_signal") -> "WitnessSignal":

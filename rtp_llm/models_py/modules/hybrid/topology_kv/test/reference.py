@@ -89,6 +89,20 @@ def reference_query_mass_scores(query, key_centroids, length: Optional[int], blo
     return _reference_block_mass(H, H // Hkv, N, _eligible_blocks(N, length, block_size), logit)
 
 
+def reference_query_group_mass_scores(query, key_centroids, length: Optional[int], block_size: int, scale: float):
+    """One row: ``sum_g softmax_b(scale * qbar_g . c[b, g])``, ``qbar_g`` the mean of the query
+    heads that read KV head ``g``, over eligible blocks, by loops."""
+    H, D = query.shape
+    N, Hkv, _ = key_centroids.shape
+    group = H // Hkv
+    qbar = [[sum(float(query[g * group + i, d]) for i in range(group)) / group for d in range(D)] for g in range(Hkv)]
+
+    def logit(g, _g, b):
+        return scale * sum(qbar[g][d] * float(key_centroids[b, g, d]) for d in range(D))
+
+    return _reference_block_mass(Hkv, 1, N, _eligible_blocks(N, length, block_size), logit)
+
+
 def reference_prioritized_blocks(
     length: int,
     sink_blocks: int,
