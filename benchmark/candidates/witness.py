@@ -3,8 +3,8 @@
 The serving policy takes witness scores as a ``[R, N]`` (or ``[B, N]``) float tensor; this
 module computes the alternatives to key-centroid drift that the quality harness and the
 policy benchmark study (``topology_kv.config.WitnessSignal``). They need the row's query and a
-per-block key table, so they cost ``R * N * H * D`` multiply-adds per call: one
-``block_size``-th of an indexer scan. The serving ``Indexer`` wires only key drift
+per-block key table, so they cost ``R * N * H * D`` multiply-adds per call (``R * N * Hkv * D``
+for ``query_group_mass``): one ``block_size``-th of a scan with the attention's shape. The serving ``Indexer`` wires only key drift
 (``BlockDriftTracker``); see ``docs/results.md`` (section 6.3) for what each signal buys.
 
 Shape vocabulary: ``R`` rows, ``N`` blocks, ``H`` query heads, ``Hkv`` KV heads, ``D``

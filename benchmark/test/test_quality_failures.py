@@ -99,7 +99,8 @@ def test_selector_name_splits_into_failure_mode_and_policy():
 
 
 @pytest.mark.parametrize("mode", ["topology_sparse_merge", "topology_only"])
-@pytest.mark.parametrize("signal", ["key_drift", "value_drift", "query_centroid", "query_mass", "query_bound"])
+@pytest.mark.parametrize("signal", ["key_drift", "value_drift", "query_centroid", "query_mass", "query_bound",
+                                    "query_group_mass"])
 def test_policy_selector_keeps_the_convention_with_each_witness_signal(signal, mode):
     policy = PolicySettings(witness_signal=signal, sink_tokens=4, block_size=8, local_blocks=2)
     select = make_selector(mode, SETTINGS, policy)
@@ -162,7 +163,7 @@ def test_raised_gate_selectors_add_what_it_needs():
     assert names[0] == "oracle" and "learned-noisy+topology_sparse_merge" in names and "locality" in names
 
 
-@pytest.mark.parametrize("signal", ["query_mass", "query_bound"])
+@pytest.mark.parametrize("signal", ["query_mass", "query_bound", "query_group_mass"])
 def test_query_aware_witnesses_find_the_block_the_query_attends(signal):
     # Every query points along e0; only the keys of block 3 (tokens 24..31, block size 8)
     # do. topology_only with 4 sink tokens and 2 local blocks has room for witnesses at
@@ -184,6 +185,26 @@ def test_query_aware_witnesses_find_the_block_the_query_attends(signal):
     rows = make_selector("topology_only", SETTINGS, policy)(layer, 32, {})
     assert set(range(24, 32)) <= set(rows[T - 1].tolist())
     assert not set(range(40, 48)) & set(rows[T - 1].tolist())
+
+
+def test_query_group_mass_witnesses_pool_each_kv_heads_queries():
+    from benchmark.candidates.witness import query_group_mass_scores
+    from benchmark.quality.policy_selectors import layer_witness_scores
+    from rtp_llm.models_py.modules.hybrid.topology_kv.drift import block_key_centroids
+
+    # Four query heads over two KV heads: one softmax per KV head, so each row sums to 2
+    # (query_mass would sum to 4), computed from the group's mean query.
+    gen = torch.Generator().manual_seed(1)
+    T, L, D = 5, 40, 8
+    layer = LayerInputs.build(layer_idx=0, query=torch.randn(4, T, D, generator=gen),
+                              key=torch.randn(2, L, D, generator=gen), value=torch.randn(2, L, D, generator=gen),
+                              scaling=0.3, query_chunk=64)
+    scores, shared = layer_witness_scores(layer, 8, "query_group_mass")
+    assert not shared and scores.shape == (T, 5)
+    want = query_group_mass_scores(layer.query.transpose(0, 1), block_key_centroids(layer.key.transpose(0, 1), 8),
+                                   layer.lengths, 8, scale=0.3)
+    assert torch.equal(scores, want)
+    assert torch.allclose(scores.sum(dim=1), torch.full((T,), 2.0))
 
 
 def test_mode_settings_apply_to_one_mode_only():
