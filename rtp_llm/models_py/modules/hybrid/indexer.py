@@ -21,7 +21,10 @@ parameters: decode ``expanded_seq_lens`` (offset 0), ragged ``expanded_seq_lens`
 ``topk_indices_offset``, CP ``precomputed_lengths`` and ``precomputed_topk_off``. Witness
 scores (``IndexerTopologySettings.witness_signal``) come from a caller-owned
 :class:`BlockDriftTracker` (live key-centroid drift; the merge modes' default), or are not
-passed at all (recency: ``topology_only``'s default, which then selects plain locality).
+passed at all (recency: ``topology_only``'s default, which then selects plain locality), or,
+with ``query_group_mass``, are computed per row from the caller's attention queries
+(``witness_queries``) against the block centroids of a tracker the caller feeds with this
+layer's attention keys.
 
 Configuration: :class:`IndexerTopologySettings` (``topology_kv.config``), read from the
 ``RTP_LLM_TOPOLOGY_KV_*`` environment variables once, at construction, when not passed.
@@ -71,6 +74,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.profile import (
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.request import TopologyStepPlan
 from rtp_llm.models_py.modules.hybrid.topology_kv.step_record import PolicySkipReason, TopologyLayerCall
+from rtp_llm.models_py.modules.hybrid.topology_kv.witness import tracker_query_group_mass_scores_unchecked
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +230,13 @@ class Indexer(nn.Module):
         ``topology_only`` deployment without an indexer scan needs no indexer keys at all."""
         return self.topology_layer.reads_drift
 
+    @property
+    def reads_queries(self) -> bool:
+        """Whether ``_compute_topk`` ranks witnesses by ``query_group_mass``: it then reads the
+        caller's ``witness_queries`` and a ``drift_tracker`` fed with this layer's attention
+        keys (``key_dim = Hkv * D``, KV head-major) at the policy's block size."""
+        return self.topology_layer.reads_queries
+
     # ------------------------------------------------------------------ routing
 
     @staticmethod
@@ -256,6 +267,7 @@ class Indexer(nn.Module):
         topology_counters: Optional[TopologyStepCounters] = None,
         topology_plan: Optional[TopologyStepPlan] = None,
         shared_rows: Optional[SharedTopkRows] = None,
+        witness_queries: Optional[torch.Tensor] = None,
     ) -> Optional[torch.Tensor]:
         """Top-k rows of the step, then the topology policy when enabled for the path.
 
@@ -267,7 +279,9 @@ class Indexer(nn.Module):
         drift_tracker : this layer's :class:`BlockDriftTracker` for the batch, or None
             (witnesses then fall back to the most recent blocks; logged once). Read only
             when the settings' witness signal resolves to ``key_drift`` (``auto``: the
-            merge modes); with ``recency`` (``auto`` for ``topology_only``) it is ignored
+            merge modes) or is ``query_group_mass`` (:attr:`reads_queries`; the tracker then
+            holds this layer's attention keys); with ``recency`` (``auto`` for
+            ``topology_only``) it is ignored
         topology_context : TopologyRequestContext or one per request (compress mode)
         topology_counters : caller-owned :class:`TopologyStepCounters`, or None; when given,
             this layer's counters (or None if the policy did not run) are recorded there
@@ -277,6 +291,10 @@ class Indexer(nn.Module):
             layer records its op's rows there (before its policy); a sharing layer
             (:attr:`shares_rows_of`) needs it and takes its scanning layer's rows from it
             instead of running the op (``q``, ``weights`` and ``kv_cache`` are then not read)
+        witness_queries : float ``[R, H, D]``, one per row of the result (the path's rows):
+            this layer's post-RoPE attention queries times the attention's softmax scale.
+            Read only when :attr:`reads_queries`; None there: witnesses fall back to the
+            most recent blocks (logged once)
 
         Returns
         -------
@@ -315,7 +333,8 @@ class Indexer(nn.Module):
                 topology_counters.record(self.layer_idx, None, self._layer_call(path, topk, reason))
             return topk
         out, counters = self._apply_topology(
-            path, topk, fmha_params, attention_inputs, cp_params, drift_tracker, topology_context, topology_plan
+            path, topk, fmha_params, attention_inputs, cp_params, drift_tracker, topology_context, topology_plan,
+            witness_queries,
         )
         if topology_counters is not None:
             reason = PolicySkipReason.PATH_OFF if counters is None else None
@@ -355,6 +374,7 @@ class Indexer(nn.Module):
         topology_counters: Optional[TopologyStepCounters] = None,
         topology_plan: Optional[TopologyStepPlan] = None,
         shared_rows: Optional[SharedTopkRows] = None,
+        witness_queries: Optional[torch.Tensor] = None,
     ) -> Optional[torch.Tensor]:
         return self._compute_topk(
             q,
@@ -368,6 +388,7 @@ class Indexer(nn.Module):
             topology_counters=topology_counters,
             topology_plan=topology_plan,
             shared_rows=shared_rows,
+            witness_queries=witness_queries,
         )
 
     # ------------------------------------------------------------------ q, k and weights
@@ -555,6 +576,7 @@ class Indexer(nn.Module):
         drift_tracker: Optional[BlockDriftTracker],
         topology_context,
         topology_plan: Optional[TopologyStepPlan] = None,
+        witness_queries: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, Optional[TopologyKVCounters]]:
         """The policy on the op's rows: ``(rows, counters)``; counters None when skipped."""
         config = self.topology.policy
@@ -570,20 +592,25 @@ class Indexer(nn.Module):
         lengths, offsets, row_to_request, batch = self._policy_inputs(
             path, topk, fmha_params, attention_inputs, cp_params
         )
-        # Witness scores: key drift from the tracker, or none with recency (witness_signal),
-        # where the policy takes the most recent eligible blocks itself.
+        # Witness scores: key drift from the tracker, per-row query_group_mass, or none with
+        # recency (witness_signal), where the policy takes the most recent eligible blocks itself.
+        if self.topology_layer.reads_queries:
+            scores = self._query_witness_scores(
+                path, topk, drift_tracker, witness_queries, lengths, row_to_request, batch
+            )
+            if scores is not None:
+                # Per-row scores go to the policy without row_to_request, which then only
+                # places each request's context: the step plan is built from them here.
+                if topology_plan is None and topology_context is not None:
+                    topology_plan = TopologyStepPlan.build(
+                        config, topk.shape[1], topology_context, num_rows=topk.shape[0],
+                        row_to_request=row_to_request, device=topk.device,
+                    )
+                result = self.topology_layer.run(topk, lengths, offsets, scores, None, plan=topology_plan)
+                return result.indices, result.counters
         drift = None
         if self.topology_layer.reads_drift and drift_tracker is not None:
-            if drift_tracker.block_size != config.block_size:
-                raise ValueError(
-                    f"drift_tracker.block_size: expected {config.block_size} (the policy's block), "
-                    f"got {drift_tracker.block_size}"
-                )
-            if drift_tracker.num_requests < batch:
-                raise ValueError(
-                    f"drift_tracker.num_requests: expected >= {batch} (requests in the batch), "
-                    f"got {drift_tracker.num_requests}"
-                )
+            self._check_tracker(drift_tracker, batch)
             drift = drift_tracker.drift_scores()
         elif self.topology_layer.reads_drift and (
             config.witness_blocks > 0 or config.policy is TopologyKVPolicyMode.TOPOLOGY_ONLY
@@ -597,3 +624,54 @@ class Indexer(nn.Module):
             topk, lengths, offsets, drift, row_to_request, context=topology_context, plan=topology_plan
         )
         return result.indices, result.counters
+
+    def _check_tracker(self, tracker: BlockDriftTracker, batch: int) -> None:
+        block_size = self.topology.policy.block_size
+        if tracker.block_size != block_size:
+            raise ValueError(
+                f"drift_tracker.block_size: expected {block_size} (the policy's block), got {tracker.block_size}"
+            )
+        if tracker.num_requests < batch:
+            raise ValueError(
+                f"drift_tracker.num_requests: expected >= {batch} (requests in the batch), got {tracker.num_requests}"
+            )
+
+    def _query_witness_scores(
+        self,
+        path: IndexerPath,
+        topk: torch.Tensor,
+        tracker: Optional[BlockDriftTracker],
+        queries: Optional[torch.Tensor],
+        lengths: torch.Tensor,
+        row_to_request: torch.Tensor,
+        batch: int,
+    ) -> Optional[torch.Tensor]:
+        """float32 ``[R, N]`` ``query_group_mass`` scores per row, or None (recency, logged once)
+        when the caller passed no queries or no tracker."""
+        if tracker is None or queries is None:
+            missing = " and ".join(n for n, v in (("witness_queries", queries), ("drift_tracker", tracker)) if v is None)
+            self._log_skip_once(
+                "no_queries",
+                path,
+                "query_group_mass witnesses without %s: witness blocks fall back to the most recent eligible blocks",
+                missing,
+            )
+            return None
+        self._check_tracker(tracker, batch)
+        R = topk.shape[0]
+        if queries.dim() != 3 or queries.shape[0] != R or not queries.is_floating_point():
+            raise ValueError(
+                f"witness_queries: expected float [{R}, H, D] (the layer's attention queries of the path's {R} rows, "
+                f"times the softmax scale), got {queries.dtype} of shape {tuple(queries.shape)}"
+            )
+        H, D = queries.shape[1], queries.shape[2]
+        K = tracker.key_dim
+        if K % D or H % (K // D):
+            raise ValueError(
+                f"drift_tracker.key_dim: expected Hkv * {D} (the attention keys, Hkv dividing witness_queries' "
+                f"{H} heads), got {K}"
+            )
+        return tracker_query_group_mass_scores_unchecked(
+            queries, tracker.block_sums(), tracker.block_counts(), row_to_request, lengths,
+            self.topology.policy.block_size,
+        )

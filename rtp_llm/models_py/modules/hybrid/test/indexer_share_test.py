@@ -28,6 +28,7 @@ from rtp_llm.models_py.modules.hybrid.test.indexer_cases import (
     run_compute_topk,
     to_device,
 )
+from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
 from rtp_llm.models_py.modules.hybrid.topology_kv.test import reference as policy_ref
 
 SPARSE = (0, 1, 2, 3, 4, 5)
@@ -223,3 +224,103 @@ def test_without_a_plan_nothing_changes(decode_case):
         out = run_compute_topk(indexer, decode_case, kv_cache=cache, shared_rows=holder)
         assert torch.equal(out, plain) and holder.by_layer[1] is out
         assert torch.equal(run_compute_topk(indexer, decode_case, kv_cache=cache), plain)
+
+
+# ------------------------------------------------------------------ query_group_mass witnesses
+
+QH, QKV, QD = 4, 2, 4  # attention query heads, KV heads, head dim of the query-aware cases
+
+
+def _attention_tracker(case, seed=0):
+    """A tracker fed with random stand-ins for the layer's attention keys ``[tokens, Hkv * D]``."""
+    B, MB = case.batch.block_table.shape
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(case.keys.shape[0], QKV * QD, generator=gen)
+    tracker = BlockDriftTracker(B, MB, QKV * QD, block_size=PAGE, device=DEVICE)
+    tracker.update(keys.to(DEVICE), case.positions.to(DEVICE), case.request_ids.to(DEVICE))
+    return tracker
+
+
+def _reference_query_scores(tracker, queries, batch):
+    """Per row: query_group_mass against its request's centroids, by the loop reference."""
+    cents = tracker.centroids().cpu()
+    B, N, _ = cents.shape
+    return torch.tensor([
+        policy_ref.reference_query_group_mass_scores(
+            queries[r], cents[batch.row_to_request[r]].view(N, QKV, QD), batch.row_lengths[r], PAGE, 1.0)
+        for r in range(queries.shape[0])
+    ], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill", "cp"])
+def test_a_sharing_layer_ranks_its_witnesses_by_its_own_queries(path, prefill_case, decode_case):
+    name, case, cp, batch = next(s for s in _steps(prefill_case, decode_case) if s[0] == path)
+    full = prefill_case if path == "cp" else case
+    structure = dict(local_blocks=1, witness_blocks=2, max_structural_fraction=0.5)
+    scanning = Indexer(HEADS, DIM, topology=DISABLED, layer_idx=0, share=PLAN)
+    sharing = Indexer(HEADS, DIM, topology=policy_settings(MERGE, witness_signal="query_group_mass", **structure),
+                      layer_idx=1, share=PLAN)
+    assert sharing.reads_queries and not sharing.reads_drift and not scanning.reads_queries
+    cache = fill_cache(scanning, full)
+    holder = SharedTopkRows()
+    learned = run_compute_topk(scanning, case, cp, kv_cache=cache, shared_rows=holder)
+    tracker = _attention_tracker(full)
+    R = learned.shape[0]
+    queries = torch.randn(R, QH, QD, generator=torch.Generator().manual_seed(1)) * 2
+    out = _share_call(sharing, case, cp, holder, drift_tracker=tracker, witness_queries=queries.to(DEVICE))
+    scores = _reference_query_scores(tracker, queries, batch)
+
+    def expected(drift):
+        rows, _, mismatches = policy_ref.reference_topology_policy(
+            learned.cpu(), torch.tensor(batch.row_lengths), mode=MERGE.value, sink_blocks=1, block_size=PAGE,
+            offsets=torch.tensor(batch.row_offsets), drift=drift, **structure)
+        assert not mismatches
+        return rows
+
+    want = expected(scores)
+    assert torch.equal(out.cpu(), want)
+    # The scores decide: the tracker's key drift (or recency) would select other rows.
+    drift_rows = tracker.drift_scores().cpu()[torch.tensor(batch.row_to_request)]
+    assert not torch.equal(want, expected(drift_rows)) and not torch.equal(want, expected(None))
+
+
+def test_query_witnesses_without_queries_fall_back_to_recency_once(decode_case, caplog):
+    structure = dict(local_blocks=1, witness_blocks=2, max_structural_fraction=0.5)
+    scanning = Indexer(HEADS, DIM, topology=DISABLED, layer_idx=0, share=PLAN)
+    sharing = Indexer(HEADS, DIM, topology=policy_settings(MERGE, witness_signal="query_group_mass", **structure),
+                      layer_idx=1, share=PLAN)
+    holder = SharedTopkRows()
+    learned = run_compute_topk(scanning, decode_case, kv_cache=fill_cache(scanning, decode_case), shared_rows=holder)
+    b = decode_case.batch
+    want, _, _ = policy_ref.reference_topology_policy(
+        learned.cpu(), torch.tensor(b.row_lengths), mode=MERGE.value, sink_blocks=1, block_size=PAGE,
+        offsets=torch.tensor(b.row_offsets), drift=None, **structure)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            out = _share_call(sharing, decode_case, None, holder, drift_tracker=_attention_tracker(decode_case))
+            assert torch.equal(out.cpu(), want)
+    logged = [r.getMessage() for r in caplog.records if "query_group_mass" in r.getMessage()]
+    assert len(logged) == 1 and "without witness_queries" in logged[0]
+
+
+def test_query_witnesses_name_a_bad_argument(decode_case):
+    sharing = Indexer(HEADS, DIM, topology=policy_settings(MERGE, witness_signal="query_group_mass"),
+                      layer_idx=1, share=PLAN)
+    scanning = Indexer(HEADS, DIM, topology=DISABLED, layer_idx=0, share=PLAN)
+    holder = SharedTopkRows()
+    learned = run_compute_topk(scanning, decode_case, kv_cache=fill_cache(scanning, decode_case), shared_rows=holder)
+    R = learned.shape[0]
+    tracker = _attention_tracker(decode_case)
+    queries = torch.randn(R, QH, QD, device=DEVICE)
+    before = queries.clone()
+    with pytest.raises(ValueError, match=rf"witness_queries: expected float \[{R}, H, D\].*got torch.float32 of "
+                                         rf"shape \({R + 1}, {QH}, {QD}\)"):
+        _share_call(sharing, decode_case, None, holder, drift_tracker=tracker,
+                    witness_queries=torch.randn(R + 1, QH, QD, device=DEVICE))
+    with pytest.raises(ValueError, match=r"drift_tracker.key_dim: expected Hkv \* 3 .*got 8"):
+        _share_call(sharing, decode_case, None, holder, drift_tracker=tracker,
+                    witness_queries=torch.randn(R, QH, 3, device=DEVICE))
+    small = BlockDriftTracker(tracker.num_requests, tracker.max_blocks, QKV * QD, block_size=PAGE // 2, device=DEVICE)
+    with pytest.raises(ValueError, match=rf"drift_tracker.block_size: expected {PAGE} \(the policy's block\), got"):
+        _share_call(sharing, decode_case, None, holder, drift_tracker=small, witness_queries=queries)
+    assert torch.equal(queries, before)

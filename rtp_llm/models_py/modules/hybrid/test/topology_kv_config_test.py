@@ -213,10 +213,16 @@ def test_env_bad_witness_signal_lists_the_valid_values():
     with pytest.raises(ValueError) as err:
         IndexerTopologySettings.from_env({ENV_POLICY: "topology_only", ENV_WITNESS_SIGNAL: "drift"})
     assert str(err.value) == (
-        f"{ENV_WITNESS_SIGNAL}='drift': expected one of [auto, key_drift, recency] (case-insensitive), got 'drift'"
+        f"{ENV_WITNESS_SIGNAL}='drift': expected one of [auto, key_drift, recency, query_group_mass] "
+        "(case-insensitive), got 'drift'"
     )
-    with pytest.raises(ValueError, match="witness_signal: expected one of \\[auto, key_drift, recency\\]"):
+    valid = "witness_signal: expected one of \\[auto, key_drift, recency, query_group_mass\\]"
+    with pytest.raises(ValueError, match=valid):
         IndexerTopologySettings(witness_signal="bogus")
+    with pytest.raises(ValueError, match=valid):  # a harness-only signal: serving does not compute it
+        IndexerTopologySettings(witness_signal="query_mass")
+    served = IndexerTopologySettings.from_env({ENV_POLICY: "topology_sparse_merge", ENV_WITNESS_SIGNAL: "Query_Group_Mass"})
+    assert served.resolved_witness_signal is WitnessSignal.QUERY_GROUP_MASS
 
 
 def test_every_serving_variable_is_read_and_documented_in_the_readme():

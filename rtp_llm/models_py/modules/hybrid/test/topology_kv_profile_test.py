@@ -127,7 +127,7 @@ BAD_PROFILES = [
     (_broken(lambda d: d["settings"].update(contexts=[])), "settings.contexts: expected a non-empty list"),
     (_broken(lambda d: d.pop("command")), "command: expected the command line"),
     (_broken(lambda d: d["settings"].update(witness_signal="query_mass")),
-     r"settings.witness_signal: expected a signal serving computes \(auto, key_drift, recency, or default\)"),
+     r"settings.witness_signal: expected a signal serving computes \(auto, key_drift, recency, query_group_mass, or default\)"),
     (_broken(lambda d: d.update(indexer_share=[0, 3])), "indexer_share: expected an object with the scanning layers"),
     (_broken(lambda d: d.update(indexer_share={})), "indexer_share.scanning: expected a list of layer indices"),
     (_broken(lambda d: d.update(indexer_share={"scanning": [1, 3]})),

@@ -112,9 +112,9 @@ class WitnessSignal(enum.Enum):
 
     The policy ranks witness blocks by whatever scores it is given, and by recency (the
     most recent eligible blocks) when given none; the signal decides what is given.
-    Serving computes :attr:`served` signals only; the query-aware ones need the row's query
-    at block granularity, which only the quality harness computes
-    (``benchmark/candidates/witness.py``).
+    Serving computes :attr:`served` signals only: key drift, recency and
+    ``query_group_mass`` (``topology_kv/witness.py``); the other query-aware ones only the
+    quality harness computes (``benchmark/candidates/witness.py``).
 
     AUTO           recency for ``topology_only``, key drift for the merge modes (:meth:`resolve`);
                    also spelled ``default``
@@ -128,7 +128,9 @@ class WitnessSignal(enum.Enum):
     QUERY_BOUND    as QUERY_MASS with ``sum_d max(q_d kmin_d, q_d kmax_d)``, an upper bound on
                    ``q . k`` over the block as in Quest (harness only)
     QUERY_GROUP_MASS as QUERY_MASS with each KV head's group of query heads pooled to its
-                   mean query: one softmax per KV head, ``H / Hkv`` times cheaper (harness only)
+                   mean query: one softmax per KV head, ``H / Hkv`` times cheaper; served
+                   (the caller hands the ``Indexer`` the attention queries and a tracker of
+                   the layer's attention keys, ``topology_kv/witness.py``)
     """
 
     AUTO = "auto"
@@ -149,7 +151,8 @@ class WitnessSignal(enum.Enum):
     @property
     def served(self) -> bool:
         """Whether the serving ``Indexer`` computes this signal."""
-        return self in (WitnessSignal.AUTO, WitnessSignal.KEY_DRIFT, WitnessSignal.RECENCY)
+        return self in (WitnessSignal.AUTO, WitnessSignal.KEY_DRIFT, WitnessSignal.RECENCY,
+                        WitnessSignal.QUERY_GROUP_MASS)
 
     def resolve(self, mode: "TopologyKVPolicyMode") -> "WitnessSignal":
         """This signal with ``AUTO`` resolved for ``mode`` (any other signal is itself).
@@ -468,7 +471,9 @@ class IndexerTopologySettings:
     witness_signal : WitnessSignal (a served one) or its name
         What the ``Indexer`` passes as witness scores: ``auto`` (default; recency for
         ``topology_only``, key drift for the merge modes), ``key_drift`` (the caller's
-        ``BlockDriftTracker``) or ``recency`` (no scores, no tracker needed).
+        ``BlockDriftTracker``), ``recency`` (no scores, no tracker needed) or
+        ``query_group_mass`` (each row's attention queries, handed in by the caller, against
+        the block centroids of a tracker the caller feeds with the layer's attention keys).
     """
 
     policy: TopologyKVPolicyConfig = dataclasses.field(default_factory=TopologyKVPolicyConfig)
@@ -504,7 +509,8 @@ class IndexerTopologySettings:
 
     @property
     def resolved_witness_signal(self) -> WitnessSignal:
-        """``KEY_DRIFT`` or ``RECENCY``: :attr:`witness_signal` with ``auto`` resolved for the mode."""
+        """``KEY_DRIFT``, ``RECENCY`` or ``QUERY_GROUP_MASS``: :attr:`witness_signal` with ``auto``
+        resolved for the mode."""
         return self.witness_signal.resolve(self.policy.policy)
 
     @classmethod

@@ -207,6 +207,11 @@ class BlockDriftTracker:
         """float32 ``[B, N]`` tokens fed per block."""
         return self._counts[:, : self.max_blocks]
 
+    def block_sums(self) -> torch.Tensor:
+        """float32 ``[B, N, K]`` sum of the keys fed per block (a view; no copy, unlike
+        :meth:`centroids`)."""
+        return self._sums[:, : self.max_blocks]
+
     def clone(self) -> "BlockDriftTracker":
         """An independent copy of this tracker's state (same settings, same device).
 

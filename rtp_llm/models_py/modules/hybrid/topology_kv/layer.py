@@ -68,6 +68,9 @@ class TopologyKVLayerPolicy:
         rows' device at the first call, cached per device)
     reads_drift : whether the layer passes the drift tracker's scores (the policy is on and
         its witness signal resolves to ``key_drift``)
+    reads_queries : whether the layer ranks witnesses by ``query_group_mass`` (the policy is
+        on and its signal is that one): it reads the caller's attention queries and a tracker
+        of the layer's attention keys
     kernel : ``(compiled entry, its constants for width W)`` when the fused CPU kernel runs
         and mismatches do not raise: a call on rows of width W without contexts is one
         direct call of the compiled op; else None
@@ -79,6 +82,7 @@ class TopologyKVLayerPolicy:
     layout: Optional[PolicyLayout]
     backend: Optional[TopologyKVBackend]
     reads_drift: bool
+    reads_queries: bool = False
     kernel: Optional[Tuple[Callable, tuple]] = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -131,6 +135,7 @@ class TopologyKVLayerPolicy:
             layout=layout,
             backend=backend,
             reads_drift=policy.enabled and settings.resolved_witness_signal is WitnessSignal.KEY_DRIFT,
+            reads_queries=policy.enabled and settings.resolved_witness_signal is WitnessSignal.QUERY_GROUP_MASS,
             kernel=kernel,
         )
 
