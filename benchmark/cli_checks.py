@@ -240,7 +240,14 @@ def _tensor_bytes(shape, kind: int) -> int:
 def given_flags(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> Set[str]:
     """The ``dest`` of every option typed in ``argv`` (argparse fills a default only for
     attributes its namespace lacks, so a namespace of markers shows which were given)."""
-    marker = object()
-    namespace = argparse.Namespace(**{a.dest: marker for a in parser._actions if a.dest != argparse.SUPPRESS})
-    parsed = parser.parse_args(argv, namespace=namespace)
-    return {dest for dest, value in vars(parsed).items() if value is not marker}
+    # An appending option copies the list it finds before appending, so its marker is a list
+    # (a typed one then is a new list, not the marker).
+    appending = (argparse._AppendAction, argparse._ExtendAction)
+    markers = {a.dest: _ListMarker() if isinstance(a, appending) else object()
+               for a in parser._actions if a.dest != argparse.SUPPRESS}
+    parsed = parser.parse_args(argv, namespace=argparse.Namespace(**markers))
+    return {dest for dest, value in vars(parsed).items() if value is not markers.get(dest)}
+
+
+class _ListMarker(list):
+    """The unset marker of an appending option (:func:`given_flags`)."""

@@ -175,13 +175,16 @@ def _decode_attention(plan: StepPlan, layer: int, query, key, value, scale, wind
         return out
     t0 = clock()
     q_rows = q.reshape(R, H, D)
-    tracker = st.trackers[layer] if indexer.reads_drift else None
+    tracker = st.trackers[layer] if indexer.reads_drift or indexer.reads_queries else None
+    # query_group_mass witnesses: the rows' attention queries, scaled as the attention scales them.
+    witness_queries = q_rows * scale if indexer.reads_queries else None
     hidden = plan.layer_hidden.pop(layer, None)
     if indexer.shares_rows_of is not None:  # the scanning layer's rows: no indexer key written or read
-        if tracker is not None:
+        if tracker is not None:  # its tracker reads this layer's attention keys
             tracker.update(k_new, plan.positions, plan.request_ids)
         rows = indexer._compute_topk(None, None, None, plan.fmha, plan.attn, None, drift_tracker=tracker,
-                                     topology_counters=plan.counters, shared_rows=plan.shared_rows)
+                                     topology_counters=plan.counters, shared_rows=plan.shared_rows,
+                                     witness_queries=witness_queries)
         plan.timers["policy"] += clock() - t0
         return _sparse_attention(plan, st, pools, layer, q_rows, k_new, v_new, rows, scale).view(B, T, H, D)
     if pools.proxy.reads_hidden:  # the trained indexer: q, k and weights from the attention input
@@ -189,13 +192,16 @@ def _decode_attention(plan: StepPlan, layer: int, query, key, value, scale, wind
         q_index, index_keys, weights = pools.proxy.from_hidden(indexer, h, plan.positions)
     else:
         index_keys, q_index, weights = pools.proxy.keys(k_new), pools.proxy.queries(q_rows), plan.weights
-    if indexer.scan or tracker is not None:  # no scan and no drift (recency): no indexer key is read
-        indexer.write_keys(index_keys, pools.index_cache, plan.slots, drift_tracker=tracker,
+    drift = tracker if indexer.reads_drift else None  # key drift reads the indexer keys
+    if indexer.scan or drift is not None:  # no scan and no drift (recency): no indexer key is read
+        indexer.write_keys(index_keys, pools.index_cache, plan.slots, drift_tracker=drift,
                            positions=plan.positions, request_ids=plan.request_ids)
     t1 = clock()
+    if indexer.reads_queries:  # the attention keys, timed with the policy
+        tracker.update(k_new, plan.positions, plan.request_ids)
     rows = indexer._compute_topk(q_index, weights, pools.index_cache, plan.fmha, plan.attn, None,
                                  drift_tracker=tracker, topology_counters=plan.counters,
-                                 shared_rows=plan.shared_rows)
+                                 shared_rows=plan.shared_rows, witness_queries=witness_queries)
     t2 = clock()
     scan_s = (t1 - t0) + indexer.last_op_s
     if indexer.scan:

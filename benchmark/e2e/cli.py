@@ -36,7 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -100,6 +100,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "profile's longest calibrated context, as the Indexer picks without "
                         "RTP_LLM_TOPOLOGY_KV_PROFILE_BUDGET), context (nearest W / this run's context, the quality "
                         "harness's rule) or a budget of the profile such as 1/8 (every W)")
+    p.add_argument("--policy-mode-settings", action="append", default=[], metavar="MODE:KEY=VALUE,...",
+                   help="settings that replace the engine defaults of one policy mode in every variant running "
+                        "it (not a profile's), e.g. topology_sparse_merge:block_size=8,witness_blocks=64,"
+                        "witness_signal=query_group_mass (keys: TopologyKVPolicyConfig's fields and "
+                        "witness_signal, a served one; repeatable)")
     p.add_argument("--indexer", default="trained", choices=("trained", "proxy"),
                    help="trained: the learned variants rank with the trained indexer (--indexer-checkpoint, default "
                         "the one shipped for the model); proxy: the untrained proxy of --indexer-preset (a null model)")
@@ -131,6 +136,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             if dest not in typed:
                 setattr(args, dest, value)
     check_flags_before_load(p, args)
+    args.mode_settings = parse_e2e_mode_settings(p, args.policy_mode_settings)
     bad = [c for c in args.contexts if c < 2]
     if bad:
         p.error(f"--contexts: expected lengths >= 2, got {bad}")
@@ -159,6 +165,37 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                 f"learned-shared:profile[+mode]) in --variants, got {args.variants}")
     args.variants = ["dense"] + [v for v in args.variants if v != "dense"]  # ratios need the baseline
     return args
+
+
+def parse_e2e_mode_settings(p: argparse.ArgumentParser, items: Sequence[str]) -> Dict[str, Dict[str, object]]:
+    """``--policy-mode-settings`` -> mode -> {field: value}, each mode's settings checked as the
+    ``Indexer`` will build them (exit 2 naming the item on a bad key, value or signal)."""
+    from benchmark.quality.cli import parse_mode_settings
+    from benchmark.quality.errors import UsageError
+    from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
+        IndexerTopologySettings,
+        TopologyKVPolicyConfig,
+    )
+
+    try:
+        parsed = parse_mode_settings(items)
+    except UsageError as err:
+        p.error(str(err))
+    out: Dict[str, Dict[str, object]] = {}
+    for (mode, pairs), item in zip(parsed, items):
+        fields = dict(out.get(mode, {}))
+        fields.update(pairs)
+        if "scaffold_tokens" in fields:
+            p.error(f"--policy-mode-settings {item!r}: scaffold_tokens is the quality harness's; the end-to-end "
+                    "benchmark has no scaffold")
+        structural = {k: v for k, v in fields.items() if k != "witness_signal"}
+        try:
+            IndexerTopologySettings(policy=TopologyKVPolicyConfig(policy=mode, **structural),
+                                    witness_signal=fields.get("witness_signal", "auto"))
+        except (TypeError, ValueError) as err:
+            p.error(f"--policy-mode-settings {item!r}: {err}")
+        out[mode] = fields
+    return out
 
 
 def check_flags_before_load(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -124,7 +124,7 @@ class BatchRun:
 @torch.no_grad()
 def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variants: Sequence[str], steps: int,
                 next_n: int, width: int, shape: IndexerShape, prefilled=None, trained=None,
-                profile: Optional[E2EProfile] = None) -> BatchRun:
+                profile: Optional[E2EProfile] = None, mode_settings=None) -> BatchRun:
     """Prefill ``text`` once and lay out ``B`` requests (prefixes of it) for every variant,
     on the model's device (the layout's ``device``).
 
@@ -132,7 +132,8 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
     logits positions include every ``c_b - 1`` (reused across batch sizes; not modified).
     ``trained``: layer -> trained ``IndexerProjections`` (the learned variants rank with
     them), or None (the untrained proxy of ``shape``). ``profile``: the run's
-    :class:`E2EProfile` (the ``profile`` variants need it), or None.
+    :class:`E2EProfile` (the ``profile`` variants need it), or None. ``mode_settings``:
+    :func:`~benchmark.e2e.indexers.variant_policy`'s (``--policy-mode-settings``).
     """
     H, Hkv, D = kv_geometry(model)
     C = max(context_lens)
@@ -178,7 +179,17 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
         pool.flat(pool.k)[shared_slots] = K[layer][pos[in_shared]]
         pool.flat(pool.v)[shared_slots] = V[layer][pos[in_shared]]
         base: Optional[BlockDriftTracker] = None
-        attention_drift: Optional[BlockDriftTracker] = None
+        attention_trackers: Dict[int, BlockDriftTracker] = {}  # block size -> the prefill's attention-key blocks
+
+        def attention_tracker(block_size: int) -> BlockDriftTracker:
+            """A fresh copy of the prefill's attention-key tracker at ``block_size``."""
+            if block_size not in attention_trackers:
+                blocks = -(-layout.max_blocks * pg // block_size)
+                tracker = BlockDriftTracker(layout.batch, blocks, Hkv * D, block_size=block_size, device=dev)
+                tracker.update(K[layer][pos], pos, req)
+                attention_trackers[block_size] = tracker
+            return attention_trackers[block_size].clone()
+
         for name, st in states.items():
             slots = slots_of(st.block_table, own_req, own_pos, pg)
             pool.flat(pool.k)[slots] = K[layer][own_pos]
@@ -189,17 +200,13 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
                 continue
             indexer = make_indexer(name, lshape, width, layer, dev,
                                    projections=None if trained is None else trained[layer], share=plans[name],
-                                   profile=profile, context=C)
+                                   profile=profile, context=C, mode_settings=mode_settings)
             st.indexers[layer] = indexer
             if indexer is None:
                 continue
             if indexer.shares_rows_of is not None:  # no indexer keys: its drift reads the attention keys
-                if indexer.reads_drift:
-                    if attention_drift is None:
-                        attention_drift = BlockDriftTracker(layout.batch, layout.max_blocks, Hkv * D,
-                                                            block_size=pg, device=dev)
-                        attention_drift.update(K[layer][pos], pos, req)
-                    st.trackers[layer] = attention_drift.clone()
+                if indexer.reads_drift or indexer.reads_queries:
+                    st.trackers[layer] = attention_tracker(indexer.topology.policy.block_size)
                 continue
             if base is None:  # the first indexer variant writes every key through write_keys, feeding drift
                 base = BlockDriftTracker(layout.batch, layout.max_blocks, lshape.dim, block_size=pg, device=dev)
@@ -209,6 +216,8 @@ def build_batch(model, text: Sequence[int], context_lens: Sequence[int], variant
             else:  # the others: their private blocks, and the prefill's drift state
                 indexer.write_keys(index_keys[own_pos], pool.index_cache, slots)
                 st.trackers[layer] = base.clone()
+            if indexer.reads_queries:  # query_group_mass witnesses: the tracker reads the attention keys
+                st.trackers[layer] = attention_tracker(indexer.topology.policy.block_size)
         pools[layer] = pool
     shared_bytes = sum(p.shared(t).numel() * t.element_size() for p in pools.values() for t in p.caches())
     shared_bytes += tensor_bytes(model.parameters())

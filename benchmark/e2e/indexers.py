@@ -38,6 +38,10 @@ stand for the mode and for the scanning set, as in serving:
                          mode's default structure on every layer.
 
 Which budget entry a profile variant runs is :class:`E2EProfile`'s rule (``--profile-budget``).
+``--policy-mode-settings MODE:KEY=VALUE,...`` replaces the engine defaults of one mode in
+every variant that runs it (not the profile's), its witness signal included: with
+``witness_signal=query_group_mass`` each layer's tracker reads that layer's attention keys
+at the policy's block size and the ``Indexer`` gets the step's attention queries.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from fractions import Fraction
-from typing import Optional, Sequence, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 from benchmark.quality.shared_scans import PROFILE_MODE, SHARED_PREFIX, SharedName, parse_shared_name
 
@@ -80,6 +84,8 @@ PROFILE_VARIANT = f"learned+{PROFILE_MODE}"  # every layer scans and runs its ow
 # --profile-budget: serving's rule (W / the profile's reference context), the harness's
 # (W / the run's context), or one of the profile's budgets for every W.
 PROFILE_BUDGET_RULES = ("serving", "context")
+# mode -> {TopologyKVPolicyConfig field or "witness_signal": value} (--policy-mode-settings)
+ModeSettings = Mapping[str, Mapping[str, object]]
 _BUDGET_TEXT = re.compile(r"[0-9]{1,9}/[0-9]{1,9}")
 
 
@@ -224,10 +230,12 @@ class TimedIndexer(Indexer):
         return out
 
 
-def variant_policy(variant: str, profile=None) -> Optional[TopologyKVPolicyConfig]:
+def variant_policy(variant: str, profile=None, mode_settings: Optional[ModeSettings] = None
+                   ) -> Optional[TopologyKVPolicyConfig]:
     """The policy config a variant applies after (or instead of) the indexer; a variant
     of mode ``profile`` runs the ``profile``'s mode (its layers' entries applied by the
-    ``Indexer``) and needs it."""
+    ``Indexer``) and needs it. ``mode_settings``: mode -> structural fields that replace the
+    engine defaults for that mode (``--policy-mode-settings``; not for ``profile`` variants)."""
     if variant in ("dense", "learned"):
         return None
     shared = parse_shared(variant)
@@ -237,22 +245,36 @@ def variant_policy(variant: str, profile=None) -> Optional[TopologyKVPolicyConfi
         mode = shared.mode
     else:
         mode = "topology_only" if variant == "topology_only_noscan" else variant.split("+", 1)[1]
+    fields = {}
     if mode == PROFILE_MODE:
         if profile is None:
             raise ValueError(f"{variant}: expected a profile (--profile FILE), got none")
         mode = profile.policy.value
+    else:
+        fields = {k: v for k, v in (mode_settings or {}).get(mode, {}).items() if k != "witness_signal"}
     # FALLBACK_DISABLED: no host sync, as a CUDA-graph serving path would run it.
-    return TopologyKVPolicyConfig(policy=mode, coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED)
+    return TopologyKVPolicyConfig(policy=mode, coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED,
+                                  **fields)
+
+
+def variant_witness_signal(variant: str, mode_settings: Optional[ModeSettings] = None) -> str:
+    """The witness signal a variant's ``Indexer`` serves: its mode's ``witness_signal`` in
+    ``mode_settings``, else ``auto`` (the engine's default for the mode)."""
+    policy = variant_policy(variant, None, mode_settings) if not needs_profile(variant) else None
+    if policy is None:
+        return "auto"
+    return (mode_settings or {}).get(policy.policy.value, {}).get("witness_signal", "auto")
 
 
 def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
                  device: torch.device, projections=None,
                  share: Optional[IndexerSharePlan] = None, profile: Optional[E2EProfile] = None,
-                 context: Optional[int] = None) -> Optional[TimedIndexer]:
+                 context: Optional[int] = None, mode_settings: Optional[ModeSettings] = None
+                 ) -> Optional[TimedIndexer]:
     """The variant's ``Indexer`` for one layer (None for dense); ``share``: the variant's
     :func:`share_plan` (a sharing layer then reuses its scanning layer's rows); ``profile``
     and ``context`` (the run's longest row): the profile a mode-``profile`` variant runs,
-    at the entry :meth:`E2EProfile.entry` picks.
+    at the entry :meth:`E2EProfile.entry` picks; ``mode_settings``: :func:`variant_policy`'s.
 
     Built with ``device=`` (the run's): the policy backend is resolved at construction
     (``auto``: the fused C++ kernel on the CPU, Triton on CUDA), so the CPU kernel compiles
@@ -260,8 +282,9 @@ def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
     """
     if variant == "dense":
         return None
-    policy = variant_policy(variant, None if profile is None else profile.profile)
-    settings = IndexerTopologySettings() if policy is None else IndexerTopologySettings(policy=policy)
+    policy = variant_policy(variant, None if profile is None else profile.profile, mode_settings)
+    settings = IndexerTopologySettings() if policy is None else IndexerTopologySettings(
+        policy=policy, witness_signal=variant_witness_signal(variant, mode_settings))
     entries = runs_profile_entries(variant)
     if entries and context is None:
         raise ValueError(f"{variant}: expected the run's context with a profile, got none")

@@ -156,13 +156,14 @@ def prompt_tokens(loaded, novel: str, context: int, data_dir) -> List[int]:
 
 def run_one(model, text: Sequence[int], context_lens: Sequence[int], variants: Sequence[str], steps: int,
             next_n: int, width: int, shape: IndexerShape, warmup: int, on_step=None, log=None, prefilled=None,
-            trained=None, profile=None):
+            trained=None, profile=None, mode_settings=None):
     """Prefill (unless ``prefilled``), lay out, decode and summarize one (context, batch, mode);
     ``profile``: the run's :class:`E2EProfile` or None (each row of a variant that runs
-    profile entries records the entry as ``profile_budget``)."""
+    profile entries records the entry as ``profile_budget``); ``mode_settings``: the
+    ``--policy-mode-settings`` (:func:`~benchmark.e2e.indexers.variant_policy`)."""
     _, Hkv, D = kv_geometry(model)
     run = build_batch(model, text, context_lens, variants, steps, next_n, width, shape, prefilled, trained,
-                      profile)
+                      profile, mode_settings)
     if log:
         log(f"[e2e] context {max(context_lens)} batch {len(context_lens)} rows/request {next_n + 1}: "
             f"dense prefill {run.prefill_s:.1f} s")
@@ -223,7 +224,8 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
             bar.set_postfix_str(f"context {context} batch {batch} W {width}")
 
         rows += run_one(model, text, lens, args.variants, args.new_tokens, args.next_n, width, shape,
-                        args.warmup, on_step, log, prefilled[1], trained, profile)
+                        args.warmup, on_step, log, prefilled[1], trained, profile,
+                        getattr(args, "mode_settings", None))
     bar.close()
     return {
         "environment": environment(device),
@@ -234,7 +236,7 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
             "reference_context": profile.profile.reference_context,
             "scanning_layers": None if profile.profile.scanning_layers is None else list(
                 profile.profile.scanning_layers)},
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "merge", "out")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "merge", "out", "mode_settings")},
         "rows": rows,
         "targets": targets(rows),
         "iso_quality": iso_quality(rows),

@@ -557,6 +557,62 @@ def test_shared_variant_names_are_checked(capsys):
         share_plan("learned-shared:1,2", range(5))
 
 
+QUERY_SETTINGS = {"topology_sparse_merge": {"block_size": 8, "witness_blocks": 4, "local_blocks": 0, "sink_tokens": 0,
+                                             "max_structural_fraction": 0.25, "witness_signal": "query_group_mass"}}
+
+
+def test_query_witnesses_read_each_layers_attention_keys_and_queries(loaded, text, shape, monkeypatch):
+    """query_group_mass: every layer's tracker holds its attention keys at 8-token blocks (fed
+    by the prefill and each decoded token), its Indexer gets the step's scaled queries, the
+    scanning layer still writes its indexer keys, and the witnesses reach the rows."""
+    from rtp_llm.models_py.modules.hybrid.indexer import Indexer
+
+    H, Hkv, D = e2e.kv_geometry(loaded.model)
+    queries = []
+    real_compute = Indexer._compute_topk
+
+    def compute(self, *args, **kwargs):
+        queries.append((self.layer_idx, kwargs.get("witness_queries")))
+        return real_compute(self, *args, **kwargs)
+
+    monkeypatch.setattr(Indexer, "_compute_topk", compute)
+    lens = [CONTEXT, CONTEXT - 20]
+    variant = "learned-shared:2+topology_sparse_merge"
+    run = e2e.build_batch(loaded.model, text, lens, ["dense", variant], 2, 0, 48, shape,
+                          mode_settings=QUERY_SETTINGS)
+    st = run.states[variant]
+    for layer in range(NUM_LAYERS):
+        indexer, tracker = st.indexers[layer], st.trackers[layer]
+        assert indexer.reads_queries and indexer.topology.policy.block_size == 8
+        assert (tracker.key_dim, tracker.block_size) == (Hkv * D, 8)
+        assert tracker.block_counts().sum(dim=1).tolist() == [float(n) for n in lens]
+    out = e2e.decode_batch(loaded.model, run, 2)
+    assert [q[0] for q in queries] == [0, 1] * 2
+    assert all(q is not None and tuple(q.shape) == (len(lens), H, D) for _, q in queries)
+    for layer in range(NUM_LAYERS):
+        assert st.trackers[layer].block_counts().sum(dim=1).tolist() == [float(n + 2) for n in lens]
+    from benchmark.e2e.policy_counters import sum_totals
+
+    assert sum_totals(out[variant]["steps"])["structural_injected_tokens"] > 0
+
+
+def test_policy_mode_settings_are_checked_before_the_load(capsys):
+    args = e2e.parse_args(["--quick", "--policy-mode-settings",
+                           "topology_sparse_merge:block_size=8,witness_signal=query_group_mass"])
+    assert args.mode_settings == {"topology_sparse_merge": {"block_size": 8, "witness_signal": "query_group_mass"}}
+    assert args.contexts == [512]  # --quick still fills the flags not typed
+    for item, message in [
+        ("topology_sparse_merge:witness_signal=query_mass", "witness_signal: expected one of [auto, key_drift"),
+        ("topology_sparse_merge:scaffold_tokens=4", "scaffold_tokens is the quality harness's"),
+        ("sparse:block_size=8", "expected MODE:KEY=VALUE,... with MODE in"),
+        ("topology_sparse_merge:block_size=0", "block_size"),
+    ]:
+        with pytest.raises(SystemExit):
+            e2e.parse_args(["--policy-mode-settings", item])
+        err = capsys.readouterr().err
+        assert "--policy-mode-settings" in err and message in err, (item, err)
+
+
 def test_the_shared_target_takes_the_fastest_configuration_at_learned_quality():
     def row(variant, batch, ms, kl):
         return {"variant": variant, "batch": batch, "context": 8192, "rows_per_request": 1,

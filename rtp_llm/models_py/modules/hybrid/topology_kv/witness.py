@@ -221,16 +221,17 @@ def tracker_query_group_mass_scores_unchecked(
     R, H, D = queries.shape
     B, N, K = block_sums.shape
     Hkv = K // D
-    qbar = queries.to(torch.float32).view(R, Hkv, H // Hkv, D).mean(dim=2)  # [R, Hkv, D]
-    sums = block_sums.to(torch.float32).view(B, N, Hkv, D)
+    qbar = queries.to(torch.float32).view(R, Hkv, H // Hkv, D).mean(dim=2).unsqueeze(1)  # [R, 1, Hkv, D]
+    sums = block_sums.to(torch.float32)
     inv = 1.0 / block_counts.to(torch.float32).clamp(min=1.0)  # [B, N]
     rows = row_to_request.to(torch.int64)
     step = max(1, _TABLE_CHUNK_ELEMENTS // max(1, N * K))
     parts = []
     for c0 in range(0, R, step):
         req = rows[c0 : c0 + step]
-        dots = torch.einsum("rgd,rngd->rgn", qbar[c0 : c0 + step], sums.index_select(0, req))  # [c, Hkv, N]
-        logits = dots * inv.index_select(0, req).unsqueeze(1)
+        table = sums.index_select(0, req).view(-1, N, Hkv, D)  # [c, N, Hkv, D]: each row's request
+        dots = (table * qbar[c0 : c0 + step]).sum(dim=-1)  # [c, N, Hkv]
+        logits = (dots * inv.index_select(0, req).unsqueeze(-1)).transpose(1, 2)  # [c, Hkv, N]
         parts.append(softmax_block_mass(logits.unsqueeze(2), lengths[c0 : c0 + step], block_size, 1.0))
     if not parts:
         return torch.zeros(0, N, dtype=torch.float32, device=queries.device)
