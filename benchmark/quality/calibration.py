@@ -56,7 +56,11 @@ from benchmark.quality.scan_choice import pick_scanning
 from benchmark.quality.selector_base import SelectorSettings, learned_rows_and_scores
 from benchmark.quality.sparse_attention import PLAN_KWARG, SparsePlan
 from benchmark.quality.text import TextWindow
-from rtp_llm.models_py.modules.hybrid.topology_kv.config import TopologyKVPolicyConfig, WitnessSignal
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
+    SERVED_WITNESS_SIGNALS,
+    TopologyKVPolicyConfig,
+    WitnessSignal,
+)
 from rtp_llm.models_py.modules.hybrid.topology_kv.profile import (
     PROFILE_FORMAT,
     PROFILE_VERSION,
@@ -134,6 +138,12 @@ def parse_components(text: str) -> Tuple[frozenset, ...]:
 _ENGINE = TopologyKVPolicyConfig()  # the engine's defaults, the components' sizes
 
 
+def _served_signal_names() -> str:
+    """``key_drift, recency or query_group_mass``: the served signals besides ``auto``."""
+    names = [sig.value for sig in SERVED_WITNESS_SIGNALS if sig is not WitnessSignal.AUTO]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
 @dataclasses.dataclass(frozen=True)
 class CalibrationSettings:
     """What to try. Component sizes default to the engine's (``TopologyKVPolicyConfig``'s).
@@ -184,7 +194,7 @@ class CalibrationSettings:
             signal = None
         if signal is None or not (signal.served or self.harness_signals):
             raise ValueError(
-                f"witness_signal: expected default, key_drift or recency (what serving computes"
+                f"witness_signal: expected default, {_served_signal_names()} (what serving computes"
                 f"{'; or a harness-only signal' if self.harness_signals else ''}), got {self.witness_signal!r}"
             )
         if not self.sink_options or any(isinstance(n, bool) or not isinstance(n, int) or n < 0

@@ -57,6 +57,8 @@ CONFIG_FIELDS = tuple(f.name for f in structural_settings())
 # witness scores, so the policy takes its most-recent-eligible-blocks rule.
 RECENCY = WitnessSignal.RECENCY.value
 DEFAULT_SIGNAL = "default"
+SHARING_LAYERS = "sharing"  # structure_layers: the mode only in the layers that reuse rows
+STRUCTURE_LAYERS = ("all", SHARING_LAYERS)
 
 
 def default_witness_signal(mode: str) -> str:
@@ -82,6 +84,8 @@ class _PolicySettingsMethods:
             WitnessSignal.parse(self.witness_signal, "witness signal")
         except ValueError as exc:
             raise UsageError(f"--policy-witness-signal: {exc}") from exc
+        if self.structure_layers not in STRUCTURE_LAYERS:
+            raise UsageError(f"structure_layers: expected one of {list(STRUCTURE_LAYERS)}, got {self.structure_layers!r}")
         fields = {f.name for f in dataclasses.fields(self)} - {"mode_overrides"}
         for mode, pairs in self.mode_overrides:
             for key, _ in pairs:
@@ -114,6 +118,7 @@ PolicySettings = dataclasses.make_dataclass(
     + [
         ("scaffold_tokens", int, dataclasses.field(default=0)),
         ("witness_signal", str, dataclasses.field(default=DEFAULT_SIGNAL)),
+        ("structure_layers", str, dataclasses.field(default="all")),
         ("mode_overrides", Tuple[Tuple[str, Tuple[Tuple[str, object], ...]], ...], dataclasses.field(default=())),
     ],
     bases=(_PolicySettingsMethods,),
@@ -133,6 +138,9 @@ PolicySettings.__doc__ = """Policy configuration used by every policy selector (
         :func:`default_witness_signal`), ``recency``, ``key_drift``, or a harness-only one
         (``value_drift``, ``query_centroid``, ``query_mass``, ``query_bound``,
         ``query_group_mass``)
+    structure_layers : ``learned-shared:<scan>+<mode>`` only: ``all`` (default) runs the mode
+        in every sparse layer, ``sharing`` only in the layers that reuse another layer's
+        rows (a scanning layer keeps its own rows, as a profile that skips it serves)
     mode_overrides : ``((mode, ((field, value), ...)), ...)``: settings that differ for one
         mode (e.g. ``topology_only`` with smaller blocks), applied by :meth:`for_mode`
     """

@@ -205,6 +205,9 @@ def make_selector(
                 return make_profile_selector(profile, settings, policy_settings, base_rows=base_rows)
             except ValueError as exc:
                 raise UsageError(f"--selectors: {key!r}: {exc}") from None
+        mode_settings = (policy_settings or policy_selectors.PolicySettings()).for_mode(shared.mode)
+        if mode_settings.structure_layers == policy_selectors.SHARING_LAYERS:
+            return _on_sharing_layers(shared, settings, policy_settings, profile)
         return policy_selectors.make_policy_selector(shared.mode, settings, policy_settings, base_rows=base_rows)
     kind, mode = failure_modes.split_selector_name(key)
     if kind:
@@ -219,6 +222,25 @@ def make_selector(
             return policy_selectors.make_policy_selector(mode, settings, policy_settings, base_rows=base)
     valid = ", ".join(BUILTIN_SELECTORS + policy_selectors.policy_mode_names() + TEST_ONLY_SELECTORS)
     raise UsageError(f"--selectors: unknown selector {name!r}; expected one of [{valid}]")
+
+
+def _on_sharing_layers(shared, settings: SelectorSettings, policy_settings, profile) -> Selector:
+    """``learned-shared:<scan>+<mode>`` with ``structure_layers=sharing``: a scanning layer
+    attends over its own rows as they are, a sharing layer runs the mode on the rows it
+    reuses (what a profile that skips the scanning layers serves)."""
+    memory = shared_scans.shared_scan(shared.scan, profile)
+    reused = {}
+    merge = policy_selectors.make_policy_selector(shared.mode, settings, policy_settings,
+                                                  base_rows=lambda layer, width: reused[width])
+
+    def select_on_sharing_layers(layer: LayerInputs, width: int, stats: Dict[str, float]) -> torch.Tensor:
+        found = memory.rows(layer, width, settings)
+        if memory.scanned(width):
+            return found[0]
+        reused[width] = found
+        return merge(layer, width, stats)
+
+    return select_on_sharing_layers
 
 
 def _is_failure_selector(key: str) -> bool:

@@ -143,13 +143,15 @@ class SharedScan:
         self._scans = scans
         self.label = label or f"{SHARED_PREFIX}{every}"
         self._state: Dict[int, Tuple[int, int, Tuple[torch.Tensor, torch.Tensor]]] = {}  # width -> (layer, n, rows)
+        self._scanned: Dict[int, bool] = {}  # width -> whether the last layer asked scanned
 
     def rows(self, layer: LayerInputs, width: int, settings: SelectorSettings) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(rows, scores)`` for ``layer``: its own trained-indexer rows when it scans, else
         those of the forward's last scanning layer."""
         last = self._state.get(width)
         n = 0 if last is None or layer.layer_idx <= last[0] else last[1] + 1
-        if n == 0 or self._scans(layer.layer_idx, n):
+        self._scanned[width] = n == 0 or self._scans(layer.layer_idx, n)
+        if self._scanned[width]:
             found = learned_rows_and_scores(layer, width, settings)
         else:
             found = last[2]
@@ -158,6 +160,10 @@ class SharedScan:
                                  f"query rows, its scanning layer {found[0].shape[0]}")
         self._state[width] = (layer.layer_idx, n, found)
         return found
+
+    def scanned(self, width: int) -> bool:
+        """Whether the layer of the last :meth:`rows` call at ``width`` ranked with its own indexer."""
+        return self._scanned[width]
 
 
 def make_shared_learned(scan: str, settings: SelectorSettings, profile=None) -> Selector:
@@ -173,5 +179,10 @@ def make_shared_learned(scan: str, settings: SelectorSettings, profile=None) -> 
 
 def shared_base_rows(scan: str, settings: SelectorSettings, profile=None):
     """``base_rows(layer, width) -> (rows, scores)`` of ``learned-shared:<scan>`` (for the policy selectors)."""
-    memory = SharedScan(scans=scanning_test(scan, profile), label=f"{SHARED_PREFIX}{scan}")
+    memory = shared_scan(scan, profile)
     return lambda layer, width: memory.rows(layer, width, settings)
+
+
+def shared_scan(scan: str, profile=None) -> SharedScan:
+    """The :class:`SharedScan` of ``learned-shared:<scan>``."""
+    return SharedScan(scans=scanning_test(scan, profile), label=f"{SHARED_PREFIX}{scan}")

@@ -299,7 +299,7 @@ def test_topology_only_keeps_locality_unless_another_sink_count_beats_it_by_the_
 
 @pytest.mark.parametrize("change, message", [
     (dict(policy="topology_compress_sparse"), "policy: expected one of"),
-    (dict(witness_signal="query_mass"), "witness_signal: expected default, key_drift or recency"),
+    (dict(witness_signal="query_mass"), "witness_signal: expected default, key_drift, recency or query_group_mass"),
     (dict(sink_options=()), "sink_options: expected a non-empty list"),
     (dict(sink_options=(4, -1)), "sink_options: expected a non-empty list of integers >= 0"),
 ])
@@ -786,6 +786,6 @@ def test_shared_structure_flags_are_checked(capsys):
     for flag in ("--block-size", "--witness-blocks"):
         assert calibrate_cli.main(["--shared-structure", "every:2", flag, "0"]) == 2
         assert f"{flag}: expected >= 1, got 0" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="witness_signal: expected default, key_drift or recency"):
+    with pytest.raises(ValueError, match="witness_signal: expected default, key_drift, recency or query_group_mass"):
         dataclasses.replace(SMALL, witness_signal="query_mass")
     assert dataclasses.replace(SMALL, witness_signal="query_mass", harness_signals=True).resolved_witness_signal == "query_mass"

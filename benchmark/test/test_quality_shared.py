@@ -74,6 +74,27 @@ def test_the_policy_runs_on_the_shared_rows_with_the_layers_own_witnesses(mode):
     assert not torch.equal(got, policy(layers[0], width, {}))
 
 
+def test_structure_on_sharing_layers_only_leaves_the_scanning_layers_rows():
+    from benchmark.quality.cli import parse_mode_settings
+    from benchmark.quality.policy_selectors import PolicySettings
+
+    width = 320
+    layers = [synthetic_layer(30 + i, layer_idx=x, T=640) for i, x in enumerate((2, 5, 7, 9))]
+    everywhere = make_selector("learned-shared:2+topology_sparse_merge", SETTINGS)
+    policy = PolicySettings(mode_overrides=parse_mode_settings(["topology_sparse_merge:structure_layers=sharing"]))
+    sharing = make_selector("learned-shared:2+topology_sparse_merge", SETTINGS, policy)
+    for i, layer in enumerate(layers):
+        stats = {}
+        got, merged = sharing(layer, width, stats), everywhere(layer, width, {})
+        if i % 2 == 0:  # a scanning layer: its own rows, no policy
+            own = learned_rows_and_scores(layer, width, SETTINGS)[0]
+            assert torch.equal(got, own) and not torch.equal(got, merged) and not stats
+        else:  # a sharing layer: the merge on the reused rows, as everywhere
+            assert torch.equal(got, merged) and stats["structural_injected_tokens"] > 0
+    with pytest.raises(UsageError, match=r"structure_layers: expected one of \['all', 'sharing'\], got 'some'"):
+        PolicySettings(structure_layers="some")
+
+
 def test_shared_names():
     assert split_shared_name("learned-shared:4+topology_compress_sparse") == SharedName("every:4", "topology_compress_sparse")
     assert split_shared_name(" Learned-Shared:2 ") == SharedName("every:2", None)
