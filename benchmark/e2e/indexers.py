@@ -84,8 +84,9 @@ PROFILE_VARIANT = f"learned+{PROFILE_MODE}"  # every layer scans and runs its ow
 # --profile-budget: serving's rule (W / the profile's reference context), the harness's
 # (W / the run's context), or one of the profile's budgets for every W.
 PROFILE_BUDGET_RULES = ("serving", "context")
-# mode -> {TopologyKVPolicyConfig field or "witness_signal": value} (--policy-mode-settings)
+# mode -> {TopologyKVPolicyConfig field, "witness_signal" or "structure_layers": value} (--policy-mode-settings)
 ModeSettings = Mapping[str, Mapping[str, object]]
+HARNESS_KEYS = ("witness_signal", "structure_layers")  # not TopologyKVPolicyConfig fields
 _BUDGET_TEXT = re.compile(r"[0-9]{1,9}/[0-9]{1,9}")
 
 
@@ -251,7 +252,7 @@ def variant_policy(variant: str, profile=None, mode_settings: Optional[ModeSetti
             raise ValueError(f"{variant}: expected a profile (--profile FILE), got none")
         mode = profile.policy.value
     else:
-        fields = {k: v for k, v in (mode_settings or {}).get(mode, {}).items() if k != "witness_signal"}
+        fields = {k: v for k, v in (mode_settings or {}).get(mode, {}).items() if k not in HARNESS_KEYS}
     # FALLBACK_DISABLED: no host sync, as a CUDA-graph serving path would run it.
     return TopologyKVPolicyConfig(policy=mode, coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED,
                                   **fields)
@@ -283,6 +284,9 @@ def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
     if variant == "dense":
         return None
     policy = variant_policy(variant, None if profile is None else profile.profile, mode_settings)
+    if policy is not None and share is not None and share.scans(layer) and (mode_settings or {}).get(
+            policy.policy.value, {}).get("structure_layers") == "sharing" and not needs_profile(variant):
+        policy = None  # structure_layers=sharing: a scanning layer serves its own rows (a profile skipping it)
     settings = IndexerTopologySettings() if policy is None else IndexerTopologySettings(
         policy=policy, witness_signal=variant_witness_signal(variant, mode_settings))
     entries = runs_profile_entries(variant)

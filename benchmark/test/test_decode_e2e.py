@@ -596,6 +596,20 @@ def test_query_witnesses_read_each_layers_attention_keys_and_queries(loaded, tex
     assert sum_totals(out[variant]["steps"])["structural_injected_tokens"] > 0
 
 
+def test_structure_on_sharing_layers_only_disables_the_scanning_layers_policy(shape):
+    from benchmark.e2e.indexers import share_plan
+
+    settings = {"topology_sparse_merge": {**QUERY_SETTINGS["topology_sparse_merge"], "structure_layers": "sharing"}}
+    variant = "learned-shared:2+topology_sparse_merge"
+    plan = share_plan(variant, range(4))
+    built = [make_indexer(variant, shape, 48, layer, torch.device("cpu"), share=plan, mode_settings=settings)
+             for layer in range(4)]
+    assert [x.topology.enabled for x in built] == [False, True, False, True]
+    assert [x.reads_queries for x in built] == [False, True, False, True]
+    everywhere = make_indexer(variant, shape, 48, 0, torch.device("cpu"), share=plan, mode_settings=QUERY_SETTINGS)
+    assert everywhere.topology.enabled and everywhere.reads_queries
+
+
 def test_policy_mode_settings_are_checked_before_the_load(capsys):
     args = e2e.parse_args(["--quick", "--policy-mode-settings",
                            "topology_sparse_merge:block_size=8,witness_signal=query_group_mass"])
@@ -606,6 +620,7 @@ def test_policy_mode_settings_are_checked_before_the_load(capsys):
         ("topology_sparse_merge:scaffold_tokens=4", "scaffold_tokens is the quality harness's"),
         ("sparse:block_size=8", "expected MODE:KEY=VALUE,... with MODE in"),
         ("topology_sparse_merge:block_size=0", "block_size"),
+        ("topology_sparse_merge:structure_layers=some", "structure_layers: expected all or sharing"),
     ]:
         with pytest.raises(SystemExit):
             e2e.parse_args(["--policy-mode-settings", item])
