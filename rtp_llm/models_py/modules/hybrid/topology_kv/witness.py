@@ -174,6 +174,9 @@ def tracker_query_group_mass_scores(
     ``score[r, b] = sum_g softmax_b(qbar[r, g] . c[req(r), b, g])`` over the row's eligible
     blocks (``b < ceil(lengths[r] / block_size)``), ineligible blocks 0, each row summing
     to ``Hkv``.
+    In a prefill the tracker holds the whole chunk's keys, so the centroid of a row's own
+    last block may include keys after the row (the score only: the policy still selects
+    causal tokens); in decode it holds exactly the keys up to the step.
 
     Parameters
     ----------
