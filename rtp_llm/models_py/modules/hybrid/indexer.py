@@ -225,10 +225,11 @@ class Indexer(nn.Module):
 
     @property
     def reads_drift(self) -> bool:
-        """Whether ``_compute_topk`` reads the caller's ``BlockDriftTracker`` of indexer keys
-        (the policy is on and its witnesses rank by key drift). False: that tracker may be
-        skipped, and a ``topology_only`` deployment without an indexer scan needs no indexer
-        keys at all (:attr:`reads_queries` reads a tracker of attention keys instead)."""
+        """Whether ``_compute_topk`` reads the caller's ``BlockDriftTracker`` for key drift (the
+        policy is on and its witnesses rank by key drift; the tracker holds the indexer keys,
+        or a sharing layer's attention keys). False: the tracker may be skipped, and a
+        ``topology_only`` deployment without an indexer scan needs no indexer keys at all
+        (:attr:`reads_queries` reads a tracker of attention keys for another signal)."""
         return self.topology_layer.reads_drift
 
     @property
