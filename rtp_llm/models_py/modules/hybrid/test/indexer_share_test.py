@@ -324,3 +324,26 @@ def test_query_witnesses_name_a_bad_argument(decode_case):
     with pytest.raises(ValueError, match=rf"drift_tracker.block_size: expected {PAGE} \(the policy's block\), got"):
         _share_call(sharing, decode_case, None, holder, drift_tracker=small, witness_queries=queries)
     assert torch.equal(queries, before)
+
+
+def test_query_witnesses_in_compress_mode_keep_each_requests_context(prefill_case):
+    from rtp_llm.models_py.modules.hybrid.test.indexer_cases import COMPRESS, engine_rows
+    from rtp_llm.models_py.modules.hybrid.topology_kv.policy import TopologyRequestContext
+
+    b = prefill_case.batch
+    known = engine_rows(b.row_lengths, b.row_offsets, torch.Generator().manual_seed(4))
+    indexer = Indexer(HEADS, DIM, topology=policy_settings(COMPRESS, witness_signal="query_group_mass"))
+    contexts = [TopologyRequestContext(scaffold_token_ids=tuple(range(n))) for n in (0, 700, 300, 1300)]
+    tracker = _attention_tracker(prefill_case)
+    queries = torch.randn(known.shape[0], QH, QD, generator=torch.Generator().manual_seed(2)) * 2
+    with mock.patch.object(Indexer, "_get_topk_ragged", autospec=True, return_value=known):
+        out = run_compute_topk(indexer, prefill_case, kv_cache=None, topology_context=contexts,
+                               drift_tracker=tracker, witness_queries=queries.to(DEVICE))
+    expected, counters, _ = policy_ref.reference_topology_policy(
+        known.cpu(), torch.tensor(b.row_lengths), mode=COMPRESS.value, sink_blocks=1, local_blocks=2,
+        witness_blocks=2, block_size=PAGE, max_structural_fraction=0.25,
+        scaffold_lengths=[contexts[r].scaffold_length for r in b.row_to_request],
+        drift=_reference_query_scores(tracker, queries, b),
+    )
+    assert counters["compressed_blocks"] > 0
+    assert torch.equal(out.cpu(), expected)
