@@ -105,7 +105,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "it (not a profile's), e.g. topology_sparse_merge:block_size=8,witness_blocks=64,"
                         "witness_signal=query_group_mass (keys: TopologyKVPolicyConfig's fields, "
                         "witness_signal, a served one, and structure_layers=sharing: the mode only in the layers "
-                        "that reuse rows, as a profile skipping the scanning layers serves; repeatable)")
+                        "that reuse rows, RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS; repeatable)")
     p.add_argument("--indexer", default="trained", choices=("trained", "proxy"),
                    help="trained: the learned variants rank with the trained indexer (--indexer-checkpoint, default "
                         "the one shipped for the model); proxy: the untrained proxy of --indexer-preset (a null model)")
@@ -189,13 +189,11 @@ def parse_e2e_mode_settings(p: argparse.ArgumentParser, items: Sequence[str]) ->
         if "scaffold_tokens" in fields:
             p.error(f"--policy-mode-settings {item!r}: scaffold_tokens is the quality harness's; the end-to-end "
                     "benchmark has no scaffold")
-        if fields.get("structure_layers", "all") not in ("all", "sharing"):
-            p.error(f"--policy-mode-settings {item!r}: structure_layers: expected all or sharing, got "
-                    f"{fields['structure_layers']!r}")
         structural = {k: v for k, v in fields.items() if k not in ("witness_signal", "structure_layers")}
         try:
             IndexerTopologySettings(policy=TopologyKVPolicyConfig(policy=mode, **structural),
-                                    witness_signal=fields.get("witness_signal", "auto"))
+                                    witness_signal=fields.get("witness_signal", "auto"),
+                                    structure_layers=fields.get("structure_layers", "all"))
         except (TypeError, ValueError) as err:
             p.error(f"--policy-mode-settings {item!r}: {err}")
         out[mode] = fields

@@ -39,9 +39,10 @@ stand for the mode and for the scanning set, as in serving:
 
 Which budget entry a profile variant runs is :class:`E2EProfile`'s rule (``--profile-budget``).
 ``--policy-mode-settings MODE:KEY=VALUE,...`` replaces the engine defaults of one mode in
-every variant that runs it (not the profile's), its witness signal included: with
-``witness_signal=query_group_mass`` each layer's tracker reads that layer's attention keys
-at the policy's block size and the ``Indexer`` gets the step's attention queries.
+every variant that runs it (not the profile's), its witness signal and ``structure_layers``
+(``RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS``) included: with ``witness_signal=query_group_mass``
+each layer's tracker reads that layer's attention keys at the policy's block size and the
+``Indexer`` gets the step's attention queries.
 """
 
 from __future__ import annotations
@@ -261,10 +262,17 @@ def variant_policy(variant: str, profile=None, mode_settings: Optional[ModeSetti
 def variant_witness_signal(variant: str, mode_settings: Optional[ModeSettings] = None) -> str:
     """The witness signal a variant's ``Indexer`` serves: its mode's ``witness_signal`` in
     ``mode_settings``, else ``auto`` (the engine's default for the mode)."""
+    return variant_setting(variant, mode_settings, "witness_signal", "auto")
+
+
+def variant_setting(variant: str, mode_settings: Optional[ModeSettings], key: str, default: str) -> str:
+    """A hook setting of the variant's mode in ``mode_settings`` (``witness_signal``,
+    ``structure_layers``: ``IndexerTopologySettings`` fields), else ``default``; profile
+    variants take none."""
     policy = variant_policy(variant, None, mode_settings) if not needs_profile(variant) else None
     if policy is None:
-        return "auto"
-    return (mode_settings or {}).get(policy.policy.value, {}).get("witness_signal", "auto")
+        return default
+    return (mode_settings or {}).get(policy.policy.value, {}).get(key, default)
 
 
 def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
@@ -284,11 +292,9 @@ def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
     if variant == "dense":
         return None
     policy = variant_policy(variant, None if profile is None else profile.profile, mode_settings)
-    if policy is not None and share is not None and share.scans(layer) and (mode_settings or {}).get(
-            policy.policy.value, {}).get("structure_layers") == "sharing" and not needs_profile(variant):
-        policy = None  # structure_layers=sharing: a scanning layer serves its own rows (a profile skipping it)
     settings = IndexerTopologySettings() if policy is None else IndexerTopologySettings(
-        policy=policy, witness_signal=variant_witness_signal(variant, mode_settings))
+        policy=policy, witness_signal=variant_witness_signal(variant, mode_settings),
+        structure_layers=variant_setting(variant, mode_settings, "structure_layers", "all"))
     entries = runs_profile_entries(variant)
     if entries and context is None:
         raise ValueError(f"{variant}: expected the run's context with a profile, got none")

@@ -140,7 +140,7 @@ PolicySettings.__doc__ = """Policy configuration used by every policy selector (
         ``query_group_mass``)
     structure_layers : ``learned-shared:<scan>+<mode>`` only: ``all`` (default) runs the mode
         in every sparse layer, ``sharing`` only in the layers that reuse another layer's
-        rows (a scanning layer keeps its own rows, as a profile that skips it serves)
+        rows (a scanning layer keeps its own rows: ``RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS=sharing``)
     mode_overrides : ``((mode, ((field, value), ...)), ...)``: settings that differ for one
         mode (e.g. ``topology_only`` with smaller blocks), applied by :meth:`for_mode`
     """

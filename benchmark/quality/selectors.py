@@ -227,7 +227,7 @@ def make_selector(
 def _on_sharing_layers(shared, settings: SelectorSettings, policy_settings, profile) -> Selector:
     """``learned-shared:<scan>+<mode>`` with ``structure_layers=sharing``: a scanning layer
     attends over its own rows as they are, a sharing layer runs the mode on the rows it
-    reuses (what a profile that skips the scanning layers serves)."""
+    reuses (what ``RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS=sharing`` serves)."""
     memory = shared_scans.shared_scan(shared.scan, profile)
     reused = {}
     merge = policy_selectors.make_policy_selector(shared.mode, settings, policy_settings,

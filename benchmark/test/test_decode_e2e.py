@@ -620,7 +620,7 @@ def test_policy_mode_settings_are_checked_before_the_load(capsys):
         ("topology_sparse_merge:scaffold_tokens=4", "scaffold_tokens is the quality harness's"),
         ("sparse:block_size=8", "expected MODE:KEY=VALUE,... with MODE in"),
         ("topology_sparse_merge:block_size=0", "block_size"),
-        ("topology_sparse_merge:structure_layers=some", "structure_layers: expected all or sharing"),
+        ("topology_sparse_merge:structure_layers=some", "structure_layers: expected one of [all, sharing]"),
     ]:
         with pytest.raises(SystemExit):
             e2e.parse_args(["--policy-mode-settings", item])

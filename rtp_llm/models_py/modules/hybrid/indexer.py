@@ -50,7 +50,7 @@ from torch import nn
 from rtp_llm.metrics import register_topology_kv_reporter
 from rtp_llm.models_py.modules.hybrid import indexer_torch_ops
 from rtp_llm.models_py.modules.hybrid.indexer_projections import IndexerProjections
-from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan, SharedTopkRows
+from rtp_llm.models_py.modules.hybrid.indexer_share import ENV_INDEXER_SHARE, IndexerSharePlan, SharedTopkRows
 from rtp_llm.models_py.modules.hybrid.indexer_params import (
     IndexerAttentionInputs,
     IndexerCPParams,
@@ -59,8 +59,11 @@ from rtp_llm.models_py.modules.hybrid.indexer_params import (
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     ENV_PATHS,
+    ENV_STRUCTURE_LAYERS,
     IndexerPath,
     IndexerTopologySettings,
+    StructureLayers,
+    TopologyKVPolicyConfig,
     TopologyKVPolicyMode,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
@@ -208,6 +211,12 @@ class Indexer(nn.Module):
             topology, layer_idx=layer_idx, width=index_topk, device=device, profile=topology_profile,
             profile_budget=topology_profile_budget,
         )
+        scanning_off = self._scanning_layer_off(topology, share)
+        if scanning_off:  # structure_layers=sharing on a scanning layer: its op rows as they are
+            self.topology_layer = TopologyKVLayerPolicy.build(
+                dataclasses.replace(topology, policy=TopologyKVPolicyConfig()), layer_idx=layer_idx,
+                width=index_topk, device=device,
+            )
         self.topology = self.topology_layer.settings
         if device is not None and self.topology_layer.reads_drift:
             # The tracker's one-call update (CPU) builds here too, not in the first request.
@@ -218,10 +227,25 @@ class Indexer(nn.Module):
             None if topology_profile is None else os.path.splitext(os.path.basename(topology_profile.path))[0]
         )
         self._disabled_reason = None
-        if not self.topology.enabled:
+        if scanning_off:
+            self._disabled_reason = PolicySkipReason.SCANNING_LAYER
+        elif not self.topology.enabled:
             self._disabled_reason = (
                 PolicySkipReason.DISABLED if topology_profile is None else PolicySkipReason.PROFILE_SKIPPED_LAYER
             )
+
+    def _scanning_layer_off(self, topology: IndexerTopologySettings, share: Optional[IndexerSharePlan]) -> bool:
+        """Whether ``structure_layers=sharing`` switches this layer's (enabled) policy off: it
+        scans. Raises when no layer of the model would run the policy (no plan that shares)."""
+        if topology.structure_layers is not StructureLayers.SHARING or not self.topology_layer.settings.enabled:
+            return False
+        if share is None or not share.shares:
+            plan = "no plan was given" if share is None else f"the plan {share.spec!r} shares no layer"
+            raise ValueError(
+                f"structure_layers ({ENV_STRUCTURE_LAYERS}): expected shared indexer scans ({ENV_INDEXER_SHARE}): "
+                f"'sharing' runs the policy only on layers that reuse another layer's rows, but {plan}"
+            )
+        return self.shares_rows_of is None
 
     @property
     def reads_drift(self) -> bool:

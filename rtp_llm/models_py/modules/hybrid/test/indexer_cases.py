@@ -45,7 +45,7 @@ COMPRESS = TopologyKVPolicyMode.TOPOLOGY_COMPRESS_SPARSE
 ONLY = TopologyKVPolicyMode.TOPOLOGY_ONLY
 
 
-def policy_settings(mode=MERGE, paths=ALL_PATHS, witness_signal="key_drift", **kw):
+def policy_settings(mode=MERGE, paths=ALL_PATHS, witness_signal="key_drift", structure_layers="all", **kw):
     # key_drift for every mode: these cases plant drift witnesses and check they reach the
     # policy (the serving default, auto, gives topology_only recency: tested on its own).
     base = dict(
@@ -59,7 +59,8 @@ def policy_settings(mode=MERGE, paths=ALL_PATHS, witness_signal="key_drift", **k
     )
     base.update(kw)
     return IndexerTopologySettings(
-        policy=TopologyKVPolicyConfig(policy=mode, **base), paths=frozenset(paths), witness_signal=witness_signal
+        policy=TopologyKVPolicyConfig(policy=mode, **base), paths=frozenset(paths), witness_signal=witness_signal,
+        structure_layers=structure_layers,
     )
 
 

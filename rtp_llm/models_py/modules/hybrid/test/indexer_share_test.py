@@ -28,6 +28,7 @@ from rtp_llm.models_py.modules.hybrid.test.indexer_cases import (
     run_compute_topk,
     to_device,
 )
+from rtp_llm.models_py.modules.hybrid.topology_kv.config import IndexerTopologySettings
 from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
 from rtp_llm.models_py.modules.hybrid.topology_kv.test import reference as policy_ref
 
@@ -347,3 +348,42 @@ def test_query_witnesses_in_compress_mode_keep_each_requests_context(prefill_cas
     )
     assert counters["compressed_blocks"] > 0
     assert torch.equal(out.cpu(), expected)
+
+
+# ------------------------------------------------------------------ structure on the sharing layers only
+
+
+def test_structure_layers_sharing_leaves_a_scanning_layer_its_op_rows(decode_case):
+    from rtp_llm.models_py.modules.hybrid.topology_kv.step_record import PolicySkipReason
+
+    structure = dict(local_blocks=1, witness_blocks=2, max_structural_fraction=0.5)
+    settings = policy_settings(MERGE, witness_signal="query_group_mass", structure_layers="sharing", **structure)
+    scanning = Indexer(HEADS, DIM, topology=settings, layer_idx=0, share=PLAN)
+    sharing = Indexer(HEADS, DIM, topology=settings, layer_idx=1, share=PLAN)
+    assert not scanning.topology.enabled and not scanning.reads_queries
+    assert sharing.topology.enabled and sharing.reads_queries
+    tracker = _attention_tracker(decode_case)
+    holder, step = SharedTopkRows(), TopologyStepCounters()
+    R = len(decode_case.batch.row_lengths)
+    queries = torch.randn(R, QH, QD, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    rows = run_compute_topk(scanning, decode_case, kv_cache=fill_cache(scanning, decode_case), shared_rows=holder,
+                            drift_tracker=tracker, witness_queries=queries, topology_counters=step)
+    assert rows is holder.by_layer[0]  # the op's rows themselves: no policy ran
+    assert step.by_layer[0] is None and step.calls[0].skip_reason is PolicySkipReason.SCANNING_LAYER
+    out = _share_call(sharing, decode_case, None, holder, drift_tracker=tracker, witness_queries=queries,
+                      topology_counters=step)
+    assert not torch.equal(out, rows) and step.calls[1].skip_reason is None
+
+
+@pytest.mark.parametrize("share, what", [(None, "no plan was given"),
+                                         (IndexerSharePlan.none((0, 1)), "the plan 'none' shares no layer")])
+def test_structure_layers_sharing_without_sharing_layers_is_an_error(share, what):
+    settings = policy_settings(MERGE, structure_layers="sharing")
+    with pytest.raises(ValueError, match=re.escape(
+            "structure_layers (RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS): expected shared indexer scans "
+            f"(RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE): 'sharing' runs the policy only on layers that reuse another "
+            f"layer's rows, but {what}")):
+        Indexer(HEADS, DIM, topology=settings, layer_idx=0, share=share)
+    # With the policy off the setting changes nothing and needs no plan.
+    off = IndexerTopologySettings(structure_layers="sharing")
+    assert not Indexer(HEADS, DIM, topology=off, layer_idx=0, share=share).topology.enabled

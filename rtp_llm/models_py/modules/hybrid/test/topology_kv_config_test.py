@@ -225,6 +225,19 @@ def test_env_bad_witness_signal_lists_the_valid_values():
     assert served.resolved_witness_signal is WitnessSignal.QUERY_GROUP_MASS
 
 
+def test_env_structure_layers():
+    from rtp_llm.models_py.modules.hybrid.topology_kv.config import ENV_STRUCTURE_LAYERS, StructureLayers
+
+    assert IndexerTopologySettings.from_env({}).structure_layers is StructureLayers.ALL
+    assert IndexerTopologySettings.from_env({ENV_STRUCTURE_LAYERS: " Sharing "}).structure_layers is StructureLayers.SHARING
+    with pytest.raises(ValueError) as err:
+        IndexerTopologySettings.from_env({ENV_STRUCTURE_LAYERS: "scanning"})
+    assert str(err.value) == (f"{ENV_STRUCTURE_LAYERS}='scanning': expected one of [all, sharing] (case-insensitive), "
+                              "got 'scanning'")
+    with pytest.raises(ValueError, match=r"structure_layers: expected one of \[all, sharing\]"):
+        IndexerTopologySettings(structure_layers="some")
+
+
 def test_every_serving_variable_is_read_and_documented_in_the_readme():
     from rtp_llm.models_py.modules.hybrid.topology_kv.config import serving_variables
     from rtp_llm.models_py.modules.hybrid.topology_kv.profile import ENV_PROFILE, ENV_PROFILE_BUDGET
@@ -232,7 +245,7 @@ def test_every_serving_variable_is_read_and_documented_in_the_readme():
     from rtp_llm.models_py.modules.hybrid.indexer_share import ENV_INDEXER_SHARE
 
     names = serving_variables() + (ENV_PROFILE, ENV_PROFILE_BUDGET, ENV_INDEXER_SHARE) + metrics_variables()
-    assert len(set(names)) == len(names) == 17
+    assert len(set(names)) == len(names) == 18
     readme = open(os.path.join(os.path.dirname(__file__), *[os.pardir] * 5, "README.md"), encoding="utf-8").read()
     table = [line for line in readme.splitlines() if line.startswith("| `RTP_LLM_TOPOLOGY_KV_")]
     documented = {line.split("`")[1] for line in table}

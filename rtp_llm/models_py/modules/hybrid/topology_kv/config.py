@@ -8,8 +8,8 @@ value and the valid ones. Option names are parsed in one place
 Serving reads its environment variables once, when the ``Indexer`` is built (unset or
 blank means the default). Each policy setting is a field of :class:`TopologyKVPolicyConfig`
 that names its own variable, kind, default and help (``_setting``); the hook's own
-settings are ``RTP_LLM_TOPOLOGY_KV_PATHS`` and ``RTP_LLM_TOPOLOGY_KV_WITNESS_SIGNAL``
-(:class:`IndexerTopologySettings`), the profile's ``RTP_LLM_TOPOLOGY_KV_PROFILE`` and
+settings are ``RTP_LLM_TOPOLOGY_KV_PATHS``, ``RTP_LLM_TOPOLOGY_KV_WITNESS_SIGNAL`` and
+``RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS`` (:class:`IndexerTopologySettings`), the profile's ``RTP_LLM_TOPOLOGY_KV_PROFILE`` and
 ``..._PROFILE_BUDGET`` (``topology_kv.profile``). :func:`serving_variables` lists them all;
 the README's settings table documents each (tested).
 
@@ -174,6 +174,24 @@ class WitnessSignal(enum.Enum):
 SERVED_WITNESS_SIGNALS = tuple(s for s in WitnessSignal if s.served)
 
 
+class StructureLayers(enum.Enum):
+    """Which sparse layers run the policy when indexer scans are shared.
+
+    ALL      every sparse layer (the default)
+    SHARING  only the layers that reuse another layer's rows (``RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE``);
+             a scanning layer serves its own op rows unchanged. Query-aware witnesses
+             repair reused rows but cost quality on a trained indexer's own rows
+             (docs/results.md, "One query per KV head").
+    """
+
+    ALL = "all"
+    SHARING = "sharing"
+
+    @classmethod
+    def parse(cls, value: Union[str, "StructureLayers"], setting: str = "structure_layers") -> "StructureLayers":
+        return parse_enum_member(cls, value, setting)
+
+
 # The serving variables (module docstring); each policy setting names its own in its field.
 ENV_POLICY = "RTP_LLM_TOPOLOGY_KV_POLICY"
 ENV_SINK_BLOCKS = "RTP_LLM_TOPOLOGY_KV_SINK_BLOCKS"
@@ -186,6 +204,7 @@ ENV_SINK_TOKENS = "RTP_LLM_TOPOLOGY_KV_SINK_TOKENS"
 ENV_STRUCTURAL_BUDGET = "RTP_LLM_TOPOLOGY_KV_STRUCTURAL_BUDGET"
 ENV_BACKEND = "RTP_LLM_TOPOLOGY_KV_BACKEND"
 ENV_WITNESS_SIGNAL = "RTP_LLM_TOPOLOGY_KV_WITNESS_SIGNAL"
+ENV_STRUCTURE_LAYERS = "RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS"
 
 
 class SettingKind(enum.Enum):
@@ -432,7 +451,7 @@ def serving_variables() -> Tuple[str, ...]:
     """Every ``RTP_LLM_TOPOLOGY_KV_*`` variable of the policy and its hook (the profile's
     two are ``topology_kv.profile``'s)."""
     fields = tuple(f.metadata["env"] for f in dataclasses.fields(TopologyKVPolicyConfig) if f.metadata.get("env"))
-    return fields + (ENV_PATHS, ENV_WITNESS_SIGNAL)
+    return fields + (ENV_PATHS, ENV_WITNESS_SIGNAL, ENV_STRUCTURE_LAYERS)
 
 
 def structural_settings() -> Tuple[dataclasses.Field, ...]:
@@ -474,11 +493,16 @@ class IndexerTopologySettings:
         ``BlockDriftTracker``), ``recency`` (no scores, no tracker needed) or
         ``query_group_mass`` (each row's attention queries, handed in by the caller, against
         the block centroids of a tracker the caller feeds with the layer's attention keys).
+    structure_layers : StructureLayers or its name
+        ``all`` (default) or ``sharing``: with shared indexer scans, the policy only in the
+        layers that reuse another layer's rows (the ``Indexer`` of a scanning layer then
+        serves its op rows, skip reason ``scanning_layer``).
     """
 
     policy: TopologyKVPolicyConfig = dataclasses.field(default_factory=TopologyKVPolicyConfig)
     paths: FrozenSet[IndexerPath] = ALL_PATHS
     witness_signal: WitnessSignal = WitnessSignal.AUTO
+    structure_layers: StructureLayers = StructureLayers.ALL
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, TopologyKVPolicyConfig):
@@ -494,6 +518,7 @@ class IndexerTopologySettings:
                 f"got {self.witness_signal!r}"
             )
         object.__setattr__(self, "witness_signal", signal)
+        object.__setattr__(self, "structure_layers", StructureLayers.parse(self.structure_layers))
         paths = frozenset(self.paths)
         for p in paths:
             if not isinstance(p, IndexerPath):
@@ -526,6 +551,7 @@ class IndexerTopologySettings:
         }
         paths = _env_paths(environ, ENV_PATHS)
         witness_signal = _env_enum(environ, ENV_WITNESS_SIGNAL, WitnessSignal, WitnessSignal.AUTO, SERVED_WITNESS_SIGNALS)
+        structure_layers = _env_enum(environ, ENV_STRUCTURE_LAYERS, StructureLayers, StructureLayers.ALL)
         try:
             policy = TopologyKVPolicyConfig(block_size=block_size, **values)
         except ValueError as err:
@@ -535,5 +561,5 @@ class IndexerTopologySettings:
                 f"{ENV_SINK_TOKENS}={'blocks' if sink_tokens is None else sink_tokens}, "
                 f"{ENV_LOCAL_BLOCKS}={values['local_blocks']}, {ENV_WITNESS_BLOCKS}={values['witness_blocks']}: {err}"
             ) from None
-        return cls(policy=policy, paths=paths, witness_signal=witness_signal)
+        return cls(policy=policy, paths=paths, witness_signal=witness_signal, structure_layers=structure_layers)
 

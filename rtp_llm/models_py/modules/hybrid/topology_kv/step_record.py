@@ -23,6 +23,7 @@ class PolicySkipReason(enum.Enum):
     PROFILE_SKIPPED_LAYER = "profile_skipped_layer"  # the profile skips this layer (or does not cover it)
     PATH_OFF = "path_off"  # the call's path is not in RTP_LLM_TOPOLOGY_KV_PATHS
     NO_LOCAL_ROWS = "no_local_rows"  # a CP rank with no local rows (the top-k op returned None)
+    SCANNING_LAYER = "scanning_layer"  # structure_layers=sharing and this layer scans
 
 
 @dataclasses.dataclass(frozen=True)
