@@ -171,6 +171,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def parse_e2e_mode_settings(p: argparse.ArgumentParser, items: Sequence[str]) -> Dict[str, Dict[str, object]]:
     """``--policy-mode-settings`` -> mode -> {field: value}, each mode's settings checked as the
     ``Indexer`` will build them (exit 2 naming the item on a bad key, value or signal)."""
+    from benchmark.e2e.indexers import HOOK_KEYS
     from benchmark.quality.cli import parse_mode_settings
     from benchmark.quality.errors import UsageError
     from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
@@ -189,11 +190,10 @@ def parse_e2e_mode_settings(p: argparse.ArgumentParser, items: Sequence[str]) ->
         if "scaffold_tokens" in fields:
             p.error(f"--policy-mode-settings {item!r}: scaffold_tokens is the quality harness's; the end-to-end "
                     "benchmark has no scaffold")
-        structural = {k: v for k, v in fields.items() if k not in ("witness_signal", "structure_layers")}
+        structural = {k: v for k, v in fields.items() if k not in HOOK_KEYS}
         try:
             IndexerTopologySettings(policy=TopologyKVPolicyConfig(policy=mode, **structural),
-                                    witness_signal=fields.get("witness_signal", "auto"),
-                                    structure_layers=fields.get("structure_layers", "all"))
+                                    **{k: v for k, v in fields.items() if k in HOOK_KEYS})
         except (TypeError, ValueError) as err:
             p.error(f"--policy-mode-settings {item!r}: {err}")
         out[mode] = fields

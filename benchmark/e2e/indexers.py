@@ -87,7 +87,7 @@ PROFILE_VARIANT = f"learned+{PROFILE_MODE}"  # every layer scans and runs its ow
 PROFILE_BUDGET_RULES = ("serving", "context")
 # mode -> {TopologyKVPolicyConfig field, "witness_signal" or "structure_layers": value} (--policy-mode-settings)
 ModeSettings = Mapping[str, Mapping[str, object]]
-HARNESS_KEYS = ("witness_signal", "structure_layers")  # not TopologyKVPolicyConfig fields
+HOOK_KEYS = ("witness_signal", "structure_layers")  # IndexerTopologySettings fields, not TopologyKVPolicyConfig's
 _BUDGET_TEXT = re.compile(r"[0-9]{1,9}/[0-9]{1,9}")
 
 
@@ -253,26 +253,10 @@ def variant_policy(variant: str, profile=None, mode_settings: Optional[ModeSetti
             raise ValueError(f"{variant}: expected a profile (--profile FILE), got none")
         mode = profile.policy.value
     else:
-        fields = {k: v for k, v in (mode_settings or {}).get(mode, {}).items() if k not in HARNESS_KEYS}
+        fields = {k: v for k, v in (mode_settings or {}).get(mode, {}).items() if k not in HOOK_KEYS}
     # FALLBACK_DISABLED: no host sync, as a CUDA-graph serving path would run it.
     return TopologyKVPolicyConfig(policy=mode, coordinate_mismatch_action=CoordinateMismatchAction.FALLBACK_DISABLED,
                                   **fields)
-
-
-def variant_witness_signal(variant: str, mode_settings: Optional[ModeSettings] = None) -> str:
-    """The witness signal a variant's ``Indexer`` serves: its mode's ``witness_signal`` in
-    ``mode_settings``, else ``auto`` (the engine's default for the mode)."""
-    return variant_setting(variant, mode_settings, "witness_signal", "auto")
-
-
-def variant_setting(variant: str, mode_settings: Optional[ModeSettings], key: str, default: str) -> str:
-    """A hook setting of the variant's mode in ``mode_settings`` (``witness_signal``,
-    ``structure_layers``: ``IndexerTopologySettings`` fields), else ``default``; profile
-    variants take none."""
-    policy = variant_policy(variant, None, mode_settings) if not needs_profile(variant) else None
-    if policy is None:
-        return default
-    return (mode_settings or {}).get(policy.policy.value, {}).get(key, default)
 
 
 def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
@@ -292,10 +276,11 @@ def make_indexer(variant: str, shape: IndexerShape, width: int, layer: int,
     if variant == "dense":
         return None
     policy = variant_policy(variant, None if profile is None else profile.profile, mode_settings)
-    settings = IndexerTopologySettings() if policy is None else IndexerTopologySettings(
-        policy=policy, witness_signal=variant_witness_signal(variant, mode_settings),
-        structure_layers=variant_setting(variant, mode_settings, "structure_layers", "all"))
     entries = runs_profile_entries(variant)
+    # The hook's own settings of the mode, where its structural ones apply (not a profile's mode).
+    hook = {} if policy is None or entries else {
+        k: v for k, v in (mode_settings or {}).get(policy.policy.value, {}).items() if k in HOOK_KEYS}
+    settings = IndexerTopologySettings() if policy is None else IndexerTopologySettings(policy=policy, **hook)
     if entries and context is None:
         raise ValueError(f"{variant}: expected the run's context with a profile, got none")
     return TimedIndexer(shape.heads, shape.dim, width, DEFAULT_BLOCK_SIZE, layer_idx=layer, fp8_emulation=False,

@@ -196,6 +196,9 @@ def make_selector(
             raise UsageError(f"--selectors: {key!r} needs a profile (--profile FILE)")
         if shared.mode is None:
             return shared_scans.make_shared_learned(shared.scan, settings, profile)
+        if shared.mode != shared_scans.PROFILE_MODE and (policy_settings or policy_selectors.PolicySettings()).for_mode(
+                shared.mode).structure_layers == policy_selectors.SHARING_LAYERS:
+            return _on_sharing_layers(shared, settings, policy_settings, profile)
         base_rows = shared_scans.shared_base_rows(shared.scan, settings, profile)
         if shared.mode == shared_scans.PROFILE_MODE:
             if profile.policy.value not in shared_scans.MERGE_MODES:
@@ -205,9 +208,6 @@ def make_selector(
                 return make_profile_selector(profile, settings, policy_settings, base_rows=base_rows)
             except ValueError as exc:
                 raise UsageError(f"--selectors: {key!r}: {exc}") from None
-        mode_settings = (policy_settings or policy_selectors.PolicySettings()).for_mode(shared.mode)
-        if mode_settings.structure_layers == policy_selectors.SHARING_LAYERS:
-            return _on_sharing_layers(shared, settings, policy_settings, profile)
         return policy_selectors.make_policy_selector(shared.mode, settings, policy_settings, base_rows=base_rows)
     kind, mode = failure_modes.split_selector_name(key)
     if kind:

@@ -151,11 +151,14 @@ def query_group_mass_scores_unchecked(
     scale: Optional[float] = None,
 ) -> torch.Tensor:
     """:func:`query_group_mass_scores` without validation (no host sync)."""
+    pooled = group_mean_queries(query, key_centroids.shape[-2])  # one query head per KV head
+    return query_mass_scores_unchecked(pooled, key_centroids, lengths, block_size, scale)
+
+
+def group_mean_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """fp32 ``[R, Hkv, D]``: the mean of the query heads ``[R, H, D]`` that read each KV head."""
     R, H, D = query.shape
-    Hkv = key_centroids.shape[-2]
-    q = query.to(torch.float32).view(R, Hkv, H // Hkv, D).mean(dim=2, keepdim=True)  # [R, Hkv, 1, D]
-    logits = query_block_dot(q, key_centroids.to(torch.float32))
-    return softmax_block_mass(logits, lengths, block_size, D ** -0.5 if scale is None else scale)
+    return query.to(torch.float32).view(R, kv_heads, H // kv_heads, D).mean(dim=2)
 
 
 def tracker_query_group_mass_scores(
@@ -221,10 +224,10 @@ def tracker_query_group_mass_scores_unchecked(
     block_size: int,
 ) -> torch.Tensor:
     """:func:`tracker_query_group_mass_scores` without validation (no host sync)."""
-    R, H, D = queries.shape
+    R, _, D = queries.shape
     B, N, K = block_sums.shape
     Hkv = K // D
-    qbar = queries.to(torch.float32).view(R, Hkv, H // Hkv, D).mean(dim=2).unsqueeze(1)  # [R, 1, Hkv, D]
+    qbar = group_mean_queries(queries, Hkv).unsqueeze(1)  # [R, 1, Hkv, D]
     sums = block_sums.to(torch.float32)
     inv = 1.0 / block_counts.to(torch.float32).clamp(min=1.0)  # [B, N]
     rows = row_to_request.to(torch.int64)
