@@ -35,6 +35,12 @@ What a run does (defaults in brackets):
    ``--layer-shape LAYERS=HxD[:ROPE]`` gives some layers another shape of the same cost
    per key (e.g. four heads of 16 dims where one head of 64 is the rest's), and
    ``--layer-steps LAYERS=N`` other step counts.
+   ``--lm-steps N`` [0] then trains every layer's indexer together through the frozen
+   model's output: the KL from the dense model's next-token distribution to the model's
+   with a soft top-W at every full-attention layer, W cycling over 1/16, 1/8, 1/4
+   (:mod:`benchmark.indexer.lm_stage`; ``--lm-lr`` [1e-5], ``--lm-tau`` [0.1],
+   ``--lm-positions`` [256] per window, on the training windows of the shortest length).
+   ``--start-from FILE`` skips the per-layer stages and runs that stage from FILE.
 4. Writes the checkpoint (bf16 safetensors with the model's and the text's sha256, the
    shape and each layer with another one, the steps per layer and this command line).
 5. Evaluates on held-out windows of the training text and of another text [Pride and
@@ -152,6 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "row's keys (default %(default)s)")
     p.add_argument("--sparse-lr", type=float, default=3e-4, help="the sparse stage's peak learning rate "
                    "(default %(default)s)")
+    p.add_argument("--lm-steps", type=int, default=0,
+                   help="steps of the model-loss stage after the per-layer ones: every layer's indexer trained "
+                        "together on the KL from the dense model's next-token distribution to the model's under a "
+                        "soft top-W (benchmark/indexer/lm_stage.py; default 0: none)")
+    p.add_argument("--lm-lr", type=float, default=1e-5, help="the model-loss stage's peak learning rate "
+                   "(default %(default)s)")
+    p.add_argument("--lm-tau", type=float, default=0.1, help="the soft top-W's temperature, relative to each "
+                   "row's score spread (default %(default)s)")
+    p.add_argument("--lm-positions", type=int, default=256, help="positions per window the model-loss stage "
+                   "compares (default %(default)s)")
+    p.add_argument("--start-from", default=None, metavar="FILE",
+                   help="skip the per-layer stages: start the model-loss stage (--lm-steps) from this checkpoint's "
+                        "weights (its shapes; trained for the same model)")
     p.add_argument("--batch-windows", type=int, default=2, help="windows per optimizer step (default 2)")
     p.add_argument("--dead-slope", type=float, default=0.0,
                    help="in training only, the share of the gradient relu passes below 0, so a key the attention "
@@ -235,9 +254,22 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         given = [flag for flag, value in (("--shape", args.shape), ("--rope-dim", args.rope_dim),
                                           ("--layer-shape", args.layer_shape or None),
                                           ("--layer-steps", args.layer_steps or None),
-                                          ("--sparse-steps", args.sparse_steps or None)) if value is not None]
+                                          ("--sparse-steps", args.sparse_steps or None),
+                                          ("--lm-steps", args.lm_steps or None),
+                                          ("--start-from", args.start_from)) if value is not None]
         if given:
             p.error(f"{given[0]}: applies to training, not to --evaluate (the file records its shapes)")
+    if args.start_from is not None:  # the file's shapes and weights are the start
+        given = [flag for flag, value in (("--shape", args.shape), ("--rope-dim", args.rope_dim),
+                                          ("--layer-shape", args.layer_shape or None),
+                                          ("--layer-steps", args.layer_steps or None),
+                                          ("--sparse-steps", args.sparse_steps or None),
+                                          ("--init", None if args.init == "random" else args.init))
+                 if value is not None]
+        if given:
+            p.error(f"{given[0]}: applies to the per-layer stages, which --start-from skips")
+        if args.lm_steps < 1:
+            p.error(f"--start-from: expected --lm-steps >= 1 (the stage it starts), got {args.lm_steps}")
     try:
         args.shape = parse_shape("dsa-ratio" if args.shape is None else args.shape)
         args.layer_shape = parse_layer_shapes(args.layer_shape)
@@ -274,6 +306,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--dead-slope: expected in [0, 1], got {args.dead_slope}")
     if args.sparse_steps < 0:
         p.error(f"--sparse-steps: expected >= 0, got {args.sparse_steps}")
+    if args.lm_steps < 0:
+        p.error(f"--lm-steps: expected >= 0, got {args.lm_steps}")
+    if args.lm_positions < 1:
+        p.error(f"--lm-positions: expected >= 1, got {args.lm_positions}")
+    for flag in ("lm_lr", "lm_tau"):
+        if not getattr(args, flag) > 0:
+            p.error(f"--{flag.replace('_', '-')}: expected > 0, got {getattr(args, flag)}")
     if not args.sparse_lr > 0:
         p.error(f"--sparse-lr: expected > 0, got {args.sparse_lr}")
     args.sparse_budget = _sparse_budget(p, args.sparse_budget)
@@ -294,6 +333,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             check_output_file("--out", user_path(args.out))
         if args.evaluate is not None and not is_file(user_path(args.evaluate)):
             raise FlagError(f"--evaluate: no such file {shown(args.evaluate)}")
+        if args.start_from is not None and not is_file(user_path(args.start_from)):
+            raise FlagError(f"--start-from: no such file {shown(args.start_from)}")
         if args.report_dir is not None:
             check_output_dir("--report-dir", user_path(args.report_dir))
     except FlagError as err:
@@ -430,6 +471,38 @@ def train(args, lm, corpus, layers, shapes: Dict[int, IndexerProjectionShape], p
                                                     for w, extra in train_windows],
                                  "copy_segments_per_2k": args.copy_segments,
                                  "val_window": val_window.describe(), "train_tokens_split": split}
+
+
+def model_loss_stage(args, lm, corpus, projections, progress: bool) -> Dict[str, object]:
+    """``--lm-steps``: :func:`benchmark.indexer.lm_stage.train_lm_stage` on the training
+    windows of the shortest ``--train-contexts`` length (copy segments included), the
+    modules rounded to the stored dtype after; returns the stage's record."""
+    from benchmark.indexer.lm_stage import LMStageSettings, train_lm_stage
+    from rtp_llm.models_py.modules.hybrid.indexer_checkpoint import round_to_stored_dtype_
+
+    tokens = lm.tokenizer(corpus.texts[args.novel])["input_ids"]
+    context = min(args.train_contexts)
+    windows = [w for w, _ in _training_windows(tokens[: int(len(tokens) * TRAIN_FRACTION)], args)
+               if len(w.token_ids) == context]
+    settings = LMStageSettings(steps=args.lm_steps, lr=args.lm_lr, tau=args.lm_tau, positions=args.lm_positions)
+    bar = _bar(args.lm_steps, "train (model loss)", not progress)
+    start = time.perf_counter()
+    losses = train_lm_stage(lm, projections, [w.token_ids for w in windows], settings, args.seed,
+                            on_step=lambda step, loss: (bar.update(), bar.set_postfix_str(f"KL {loss:.4f}")))
+    bar.close()
+    for module in projections.values():
+        round_to_stored_dtype_(module)
+    by_budget = {}
+    for budget, loss in losses:
+        by_budget.setdefault(budget, []).append(loss)
+    first = {b: round(sum(v[:3]) / len(v[:3]), 5) for b, v in by_budget.items()}
+    last = {b: round(sum(v[-3:]) / len(v[-3:]), 5) for b, v in by_budget.items()}
+    print(f"model-loss stage: {args.lm_steps} steps on {len(windows)} windows of {context} tokens in "
+          f"{time.perf_counter() - start:.0f} s; KL to dense, first 3 / last 3 steps per budget: "
+          + ", ".join(f"{b} {first[b]} -> {last[b]}" for b in by_budget))
+    return {**settings.to_json(), "windows": len(windows), "context": context,
+            "seconds": round(time.perf_counter() - start, 1), "kl_first3": first, "kl_last3": last,
+            "losses": losses}
 
 
 def evaluate(args, lm, corpus, layers, projections, progress: bool):
@@ -675,24 +748,48 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         text_sha = __import__("hashlib").sha256(corpus.texts[args.novel].encode("utf-8")).hexdigest()
         t0 = time.perf_counter()
-        projections, record, windows = train(args, lm, corpus, layers, shapes, progress)
+        if args.start_from is not None:
+            try:
+                projections, start = load_indexer_checkpoint(user_path(args.start_from),
+                                                             model_sha256=lm.gguf_sha256 or None, layers=layers)
+            except ValueError as err:
+                print(f"error: --start-from: {err}", file=sys.stderr)
+                return 2
+            shape, layer_shapes = start.shape, {x: s for x, s in start.layer_shapes.items() if x in layers}
+            result["shape"], result["shape_preset"] = shape.to_json(), start.extra.get("shape_preset")
+            result["layer_shapes"] = {str(x): s.to_json() for x, s in layer_shapes.items()}
+            record = {x: {"flagged": False, "steps": start.steps[x], "started_from": str(args.start_from)} for x in layers}
+            extra = {**{k: v for k, v in start.extra.items() if not k.startswith("train_seconds")},
+                     "started_from": {"path": str(args.start_from), "command": start.command,
+                                      "text_sha256": start.text_sha256,
+                                      **{k: v for k, v in start.extra.items() if k.startswith("train_seconds")}}}
+            windows = {}
+        else:
+            projections, record, windows = train(args, lm, corpus, layers, shapes, progress)
+            extra = {"shape_preset": args.shape, "init": args.init, "text": args.novel, "text_source": corpus.source,
+                     **windows,
+                     **({"sparse_stage": {"steps": args.sparse_steps, "budget": str(args.sparse_budget),
+                                          "lr": args.sparse_lr}} if args.sparse_steps else {}),
+                     "flagged_layers": [x for x in layers if record[x]["flagged"]],
+                     "val_recall_1_16": {str(x): round(record[x]["attempts"][record[x]["kept_attempt"]]["val_recall"], 4)
+                                         for x in layers}}
+        if args.lm_steps:
+            stage = model_loss_stage(args, lm, corpus, projections, progress)
+            for x in layers:
+                record[x]["steps"] += args.lm_steps
+            extra["lm_stage"] = {k: v for k, v in stage.items() if k != "losses"}
+            result["lm_stage"] = stage
         train_s = time.perf_counter() - started
+        extra.update({"train_seconds_including_load": round(train_s, 1),
+                      "train_seconds_after_load": round(time.perf_counter() - t0, 1)})
         info = IndexerCheckpointInfo(
             model_sha256=lm.gguf_sha256 or "0" * 64, text_sha256=text_sha, shape=shape, layers=tuple(layers),
-            steps={x: record[x]["steps"] for x in layers}, command=command, layer_shapes=layer_shapes,
-            extra={"shape_preset": args.shape, "init": args.init, "text": args.novel, "text_source": corpus.source, **windows,
-                   **({"sparse_stage": {"steps": args.sparse_steps, "budget": str(args.sparse_budget),
-                                        "lr": args.sparse_lr}} if args.sparse_steps else {}),
-                   "train_seconds_including_load": round(train_s, 1),
-                   "train_seconds_after_load": round(time.perf_counter() - t0, 1),
-                   "flagged_layers": [x for x in layers if record[x]["flagged"]],
-                   "val_recall_1_16": {str(x): round(record[x]["attempts"][record[x]["kept_attempt"]]["val_recall"], 4)
-                                       for x in layers}})
+            steps={x: record[x]["steps"] for x in layers}, command=command, layer_shapes=layer_shapes, extra=extra)
         save_indexer_checkpoint(user_path(args.out), projections, info)
         result["training"] = {"seconds_including_load": train_s, "layers": {str(x): record[x] for x in layers},
                               "checkpoint": str(args.out), **windows}
         print(f"trained {len(layers)} layers in {train_s:.0f} s (model load included); "
-              f"flagged and retrained: {info.extra['flagged_layers']}; wrote {args.out}")
+              f"flagged and retrained: {extra.get('flagged_layers', [])}; wrote {args.out}")
     evaluation = evaluate(args, lm, corpus, layers, projections, progress)
     summary = summarize(evaluation)
     result["evaluation"] = {k: {**v, "layers": {str(x): r for x, r in v["layers"].items()}} for k, v in evaluation.items()}

@@ -24,6 +24,10 @@ argument that transformers passes down to every attention call::
   top-1 hit and sink retention for rows longer than ``W``;
 * a selector that returns ``None`` (it only observes the layer: the indexer's training
   capture) leaves the layer dense: the model's own attention runs, as with no plan.
+* a plan with an ``attend(layer_idx, query, key, value, allowed, scaling, softcap)``
+  method computes each full-attention layer's ``[1, T, H, D]`` output itself (the
+  indexer's model-loss stage, :class:`benchmark.indexer.lm_stage.SoftSelectionPlan`);
+  ``allowed`` is the model's mask as bool ``[T, L]`` or None (causal).
 """
 
 from __future__ import annotations
@@ -347,6 +351,10 @@ def topology_kv_attention(module, query, key, value, attention_mask, scaling=Non
     )
     if not sparse:
         return _model_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+    attend = getattr(plan, "attend", None)
+    if attend is not None:  # the plan computes the layer itself (the indexer's model-loss stage)
+        return attend(layer_idx, query, key, value, _allowed_from_mask(attention_mask),
+                      query.shape[-1] ** -0.5 if scaling is None else scaling, kwargs.get("softcap")), None
     layer = _layer_inputs(module, query, key, value, attention_mask, scaling, kwargs.get("softcap"), plan.query_chunk,
                           hidden=_first_request(plan.layer_hidden.pop(layer_idx, None)))
     stats = plan.selector_stats.setdefault(layer_idx, {})
