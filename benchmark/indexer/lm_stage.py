@@ -195,9 +195,9 @@ def sample_positions(length: int, first: int, count: int, seed: int) -> torch.Te
 
 def train_lm_stage(lm, projections: Mapping[int, IndexerProjections], windows: Sequence[Sequence[int]],
                    settings: LMStageSettings, seed: int,
-                   on_step: Optional[Callable[[int, float], None]] = None) -> List[Tuple[str, float]]:
+                   on_step: Optional[Callable[[int, float], None]] = None) -> List[Tuple[str, int, float]]:
     """Train ``projections`` (layer -> indexer, full-attention layers; in place) on ``windows``
-    (token ids); returns ``[(budget, loss)]`` per step. The full-attention layers without an
+    (token ids); returns ``[(budget, window index, loss)]`` per step. The full-attention layers without an
     indexer in ``projections`` stay dense. The modules come back in eval mode
     without gradients; ``lm``'s parameters keep their ``requires_grad`` flags.
     """
@@ -231,11 +231,12 @@ def train_lm_stage(lm, projections: Mapping[int, IndexerProjections], windows: S
         opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
         order = torch.Generator().manual_seed(seed + 1)
         queue: List[int] = []
-        losses: List[Tuple[str, float]] = []
+        losses: List[Tuple[str, int, float]] = []
         for step in range(settings.steps):
             if not queue:
                 queue = torch.randperm(len(cached), generator=order).tolist()
-            x, positions, target = cached[queue.pop()]
+            index = queue.pop()
+            x, positions, target = cached[index]
             budget = settings.budgets[step % len(settings.budgets)]
             width = max(1, int(x.shape[1] * budget))
             for group in opt.param_groups:
@@ -248,12 +249,27 @@ def train_lm_stage(lm, projections: Mapping[int, IndexerProjections], windows: S
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            losses.append((str(budget), float(loss.detach())))
+            losses.append((str(budget), index, float(loss.detach())))
             if on_step is not None:
-                on_step(step, losses[-1][1])
+                on_step(step, losses[-1][2])
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
         for m in projections.values():
             m.eval().requires_grad_(False)
     return losses
+
+
+def first_and_last(losses: Sequence[Tuple[str, int, float]]) -> Dict[str, Tuple[float, float, int]]:
+    """budget -> ``(mean first loss, mean last loss, windows)`` over the windows a budget met
+    at least twice: each window's first and last step at that budget (the same window and
+    budget, so the two means differ by the training in between, not by the windows)."""
+    seen: Dict[Tuple[str, int], List[float]] = {}
+    for budget, window, loss in losses:
+        seen.setdefault((budget, window), []).append(loss)
+    out: Dict[str, Tuple[float, float, int]] = {}
+    for budget in dict.fromkeys(b for b, _, _ in losses):
+        pairs = [(v[0], v[-1]) for (b, _), v in seen.items() if b == budget and len(v) > 1]
+        if pairs:
+            out[budget] = (sum(a for a, _ in pairs) / len(pairs), sum(z for _, z in pairs) / len(pairs), len(pairs))
+    return out

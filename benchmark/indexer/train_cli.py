@@ -477,7 +477,7 @@ def model_loss_stage(args, lm, corpus, projections, progress: bool) -> Dict[str,
     """``--lm-steps``: :func:`benchmark.indexer.lm_stage.train_lm_stage` on the training
     windows of the shortest ``--train-contexts`` length (copy segments included), the
     modules rounded to the stored dtype after; returns the stage's record."""
-    from benchmark.indexer.lm_stage import LMStageSettings, train_lm_stage
+    from benchmark.indexer.lm_stage import LMStageSettings, first_and_last, train_lm_stage
     from rtp_llm.models_py.modules.hybrid.indexer_checkpoint import round_to_stored_dtype_
 
     tokens = lm.tokenizer(corpus.texts[args.novel])["input_ids"]
@@ -492,17 +492,15 @@ def model_loss_stage(args, lm, corpus, projections, progress: bool) -> Dict[str,
     bar.close()
     for module in projections.values():
         round_to_stored_dtype_(module)
-    by_budget = {}
-    for budget, loss in losses:
-        by_budget.setdefault(budget, []).append(loss)
-    first = {b: round(sum(v[:3]) / len(v[:3]), 5) for b, v in by_budget.items()}
-    last = {b: round(sum(v[-3:]) / len(v[-3:]), 5) for b, v in by_budget.items()}
+    paired = first_and_last(losses)
     print(f"model-loss stage: {args.lm_steps} steps on {len(windows)} windows of {context} tokens in "
-          f"{time.perf_counter() - start:.0f} s; KL to dense, first 3 / last 3 steps per budget: "
-          + ", ".join(f"{b} {first[b]} -> {last[b]}" for b in by_budget))
+          f"{time.perf_counter() - start:.0f} s; KL to dense at each window's first -> last step of a budget: "
+          + (", ".join(f"{b} {a:.5f} -> {z:.5f} ({n} windows)" for b, (a, z, n) in paired.items())
+             or "no window met a budget twice"))
     return {**settings.to_json(), "windows": len(windows), "context": context,
-            "seconds": round(time.perf_counter() - start, 1), "kl_first3": first, "kl_last3": last,
-            "losses": losses}
+            "seconds": round(time.perf_counter() - start, 1),
+            "kl_first_last": {b: {"first": a, "last": z, "windows": n} for b, (a, z, n) in paired.items()},
+            "losses": [{"budget": b, "window": w, "kl": x} for b, w, x in losses]}
 
 
 def evaluate(args, lm, corpus, layers, projections, progress: bool):

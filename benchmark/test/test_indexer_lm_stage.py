@@ -16,6 +16,7 @@ from benchmark.indexer.lm_stage import (
     LMStageSettings,
     SoftSelectionPlan,
     _soft_attention,
+    first_and_last,
     sample_positions,
     soft_selection_bias,
     train_lm_stage,
@@ -171,10 +172,9 @@ def test_the_stage_lowers_the_kl_to_dense_and_leaves_the_model_unchanged():
     windows = [_ids(i) for i in range(4)]
     stage = LMStageSettings(steps=40, lr=1e-2, tau=0.1, budgets=(Fraction(1, 8),), positions=48, warmup_steps=2)
     losses = train_lm_stage(lm, projections, windows, stage, seed=0)
-    assert len(losses) == 40 and {b for b, _ in losses} == {"1/8"}
-    first = sum(x for _, x in losses[:8]) / 8
-    last = sum(x for _, x in losses[-8:]) / 8
-    assert last < 0.8 * first, (first, last)
+    assert len(losses) == 40 and {b for b, _, _ in losses} == {"1/8"} and {w for _, w, _ in losses} == {0, 1, 2, 3}
+    first, last, n = first_and_last(losses)["1/8"]
+    assert n == 4 and last < 0.8 * first, (first, last)
     kl_after = _kl_to_dense(lm, projections, held, T // 8)
     assert kl_after < kl_before, (kl_before, kl_after)
     for n, p in lm.model.named_parameters():
@@ -190,7 +190,7 @@ def test_the_stage_is_seeded():
     a, b = _projections(lm), _projections(lm)
     la = train_lm_stage(lm, a, [_ids(0), _ids(1)], stage, seed=3)
     lb = train_lm_stage(lm, b, [_ids(0), _ids(1)], stage, seed=3)
-    assert la == lb and [x for x, _ in la] == ["1/8", "1/4", "1/8"]
+    assert la == lb and [b for b, _, _ in la] == ["1/8", "1/4", "1/8"]
     for layer in a:
         for pa, pb in zip(a[layer].parameters(), b[layer].parameters()):
             assert torch.equal(pa, pb)
@@ -264,9 +264,18 @@ def test_the_command_runs_the_stage_on_its_shortest_training_windows(capsys):
     record = train_cli.model_loss_stage(args, tiny, Corpus(), projections, progress=False)
     assert record["windows"] == 3 and record["context"] == 96 and len(record["losses"]) == 4
     assert record["budgets"] == ["1/16", "1/8", "1/4"] and record["steps"] == 4
-    assert [b for b, _ in record["losses"]] == ["1/16", "1/8", "1/4", "1/16"]
+    assert [x["budget"] for x in record["losses"]] == ["1/16", "1/8", "1/4", "1/16"]
     for x, m in projections.items():
         for p, q in zip(m.parameters(), before[x]):
             assert not torch.equal(p, q)  # trained
             assert torch.equal(p, p.to(STORED_DTYPE).to(p.dtype))  # what a load gives back
     assert "model-loss stage: 4 steps on 3 windows of 96 tokens" in capsys.readouterr().out
+    assert set(record["kl_first_last"]) <= {"1/16"}  # only 1/16 came twice (steps 0 and 3), on one window if the same
+
+
+def test_first_and_last_pairs_each_window_with_itself():
+    losses = [("1/8", 0, 4.0), ("1/4", 0, 9.0), ("1/8", 1, 2.0), ("1/8", 0, 3.0), ("1/8", 1, 1.0), ("1/8", 0, 1.0),
+              ("1/4", 1, 5.0)]
+    # 1/8: window 0 first 4 last 1, window 1 first 2 last 1; 1/4 met each window once: no pair.
+    assert first_and_last(losses) == {"1/8": (3.0, 1.0, 2)}
+    assert first_and_last([]) == {}
