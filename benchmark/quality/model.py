@@ -84,22 +84,22 @@ def full_attention_layers(config) -> Tuple[int, ...]:
     return tuple(i for i, t in enumerate(types[:n]) if t == "full_attention")
 
 
-def _decoder_layers(model) -> torch.nn.ModuleList:
+def decoder_layers(model) -> torch.nn.ModuleList:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise UsageError(f"--num-layers: cannot find the decoder's layer list on {type(model).__name__}")
+        raise UsageError(f"cannot find the decoder's layer list on {type(model).__name__}")
     return layers
 
 
 def layer_attention(model, layer: int) -> torch.nn.Module:
     """Decoder layer ``layer``'s attention module (``self_attn``)."""
-    return _decoder_layers(model)[layer].self_attn
+    return decoder_layers(model)[layer].self_attn
 
 
-def truncate_decoder_layers(model, num_layers: int) -> None:
+def truncatedecoder_layers(model, num_layers: int) -> None:
     """Keep the first ``num_layers`` decoder layers (fast tests; the logits change, of course)."""
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     if not 1 <= num_layers <= len(layers):
         raise UsageError(f"--num-layers: expected 1..{len(layers)}, got {num_layers}")
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
@@ -136,7 +136,7 @@ def load_gguf_model(gguf_path: Optional[Path] = None, *, num_layers: Optional[in
     )
     model.eval()
     if num_layers is not None:
-        truncate_decoder_layers(model, num_layers)
+        truncatedecoder_layers(model, num_layers)
     sparse_attention.install_hidden_capture(model)  # the trained indexer reads the attention's input
     return LoadedModel(
         model=model,

@@ -16,13 +16,15 @@ from benchmark.indexer.lm_stage import (
     LMStageSettings,
     SoftSelectionPlan,
     _soft_attention,
+    _layer_input,
     first_and_last,
+    layers_skipped,
     sample_positions,
     soft_selection_bias,
     train_lm_stage,
 )
 from benchmark.quality import sparse_attention
-from benchmark.quality.model import LoadedModel, full_attention_layers
+from benchmark.quality.model import LoadedModel, decoder_layers, full_attention_layers
 from benchmark.quality.sparse_attention import PLAN_KWARG
 from rtp_llm.models_py.modules.hybrid.indexer_projections import IndexerProjections, IndexerProjectionShape
 from rtp_llm.models_py.modules.hybrid.indexer_torch_ops import weighted_relu_logits
@@ -160,6 +162,49 @@ def test_the_plan_with_no_long_row_is_the_dense_forward():
         plan = SoftSelectionPlan(projections, 8, 1e-3, frozenset(lm.full_attention_layers))
         sparse = lm.model(input_ids=x, use_cache=False, **{PLAN_KWARG: plan}).logits
     assert (sparse - dense).abs().max() > 1e-2
+
+
+def test_a_forward_from_a_layers_input_with_the_layers_below_skipped_is_the_full_forward():
+    lm = _tiny_model()
+    base = lm.model.base_model
+    projections = {1: _projections(lm)[1]}  # layer 0 dense: the stage starts at layer 1
+    x = torch.tensor([_ids(2)])
+    with torch.no_grad():
+        plan = SoftSelectionPlan(projections, 8, 0.1, frozenset(projections))
+        full = base(input_ids=x, use_cache=False, **{PLAN_KWARG: plan}).last_hidden_state
+        prefix = _layer_input(lm.model, 1, lambda: base(input_ids=x, use_cache=False))
+        layers = list(decoder_layers(lm.model))
+        with layers_skipped(lm.model, 1):
+            assert decoder_layers(lm.model)[0] is not layers[0] and decoder_layers(lm.model)[1] is layers[1]
+            plan = SoftSelectionPlan(projections, 8, 0.1, frozenset(projections))
+            skipped = base(inputs_embeds=prefix, use_cache=False, **{PLAN_KWARG: plan}).last_hidden_state
+        assert list(decoder_layers(lm.model)) == layers
+        with pytest.raises(RuntimeError, match="boom"), layers_skipped(lm.model, 2):
+            raise RuntimeError("boom")
+        assert list(decoder_layers(lm.model)) == layers  # restored on an error too
+    torch.testing.assert_close(skipped, full, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"count: expected 0 .. 2, got 3"):
+        with layers_skipped(lm.model, 3):
+            pass
+
+
+@pytest.mark.parametrize("trained_layers", [(0, 1), (1,)])
+def test_the_stage_loss_is_the_kl_to_the_dense_model(trained_layers):
+    """The first step's loss (before any update) by hand: full forwards with and without the
+    plan, the KL at the stage's sampled positions; layers below the lowest trained one skipped."""
+    lm = _tiny_model()
+    projections = {x: m for x, m in _projections(lm).items() if x in trained_layers}
+    ids = _ids(5)
+    stage = LMStageSettings(steps=1, lr=1e-2, budgets=(Fraction(1, 8),), positions=16)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        dense = torch.log_softmax(lm.model(input_ids=x, use_cache=False).logits[0].float(), -1)
+        plan = SoftSelectionPlan(projections, T // 8, stage.tau, frozenset(projections))
+        soft = torch.log_softmax(lm.model(input_ids=x, use_cache=False, **{PLAN_KWARG: plan}).logits[0].float(), -1)
+    rows = sample_positions(T, T // 8, 16, seed=0)
+    want = float((dense[rows].exp() * (dense[rows] - soft[rows])).sum(-1).mean())
+    (_, _, got), = train_lm_stage(lm, projections, [ids], stage, seed=0)
+    assert want > 1e-3 and got == pytest.approx(want, rel=1e-2, abs=1e-5)
 
 
 def test_the_stage_lowers_the_kl_to_dense_and_leaves_the_model_unchanged():
