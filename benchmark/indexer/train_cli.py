@@ -39,7 +39,8 @@ What a run does (defaults in brackets):
    model's output: the KL from the dense model's next-token distribution to the model's
    with a soft top-W at every full-attention layer, W cycling over 1/16, 1/8, 1/4
    (:mod:`benchmark.indexer.lm_stage`; ``--lm-lr`` [1e-5], ``--lm-tau`` [0.1],
-   ``--lm-positions`` [256] per window, on the training windows of the shortest length).
+   ``--lm-positions`` [256] per window, ``--lm-objective`` [kl] or log-kl, on the training
+   windows of the shortest length).
    ``--start-from FILE`` skips the per-layer stages and runs that stage from FILE.
 4. Writes the checkpoint (bf16 safetensors with the model's and the text's sha256, the
    shape and each layer with another one, the steps per layer and this command line).
@@ -168,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "row's score spread (default %(default)s)")
     p.add_argument("--lm-positions", type=int, default=256, help="positions per window the model-loss stage "
                    "compares (default %(default)s)")
+    p.add_argument("--lm-objective", choices=("kl", "log-kl"), default="kl",
+                   help="the model-loss stage's loss per step: the KL, or its log (every budget counted by its "
+                        "relative change; default %(default)s)")
     p.add_argument("--start-from", default=None, metavar="FILE",
                    help="skip the per-layer stages: start the model-loss stage (--lm-steps) from this checkpoint's "
                         "weights (its shapes; trained for the same model)")
@@ -256,6 +260,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                           ("--layer-steps", args.layer_steps or None),
                                           ("--sparse-steps", args.sparse_steps or None),
                                           ("--lm-steps", args.lm_steps or None),
+                                          ("--lm-objective", None if args.lm_objective == "kl" else args.lm_objective),
                                           ("--start-from", args.start_from)) if value is not None]
         if given:
             p.error(f"{given[0]}: applies to training, not to --evaluate (the file records its shapes)")
@@ -308,6 +313,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--sparse-steps: expected >= 0, got {args.sparse_steps}")
     if args.lm_steps < 0:
         p.error(f"--lm-steps: expected >= 0, got {args.lm_steps}")
+    if args.lm_objective != "kl" and args.lm_steps < 1:
+        p.error(f"--lm-objective: applies to the model-loss stage, expected --lm-steps >= 1, got {args.lm_steps}")
     if args.lm_positions < 1:
         p.error(f"--lm-positions: expected >= 1, got {args.lm_positions}")
     for flag in ("lm_lr", "lm_tau"):
@@ -484,7 +491,8 @@ def model_loss_stage(args, lm, corpus, projections, progress: bool) -> Dict[str,
     context = min(args.train_contexts)
     windows = [w for w, _ in _training_windows(tokens[: int(len(tokens) * TRAIN_FRACTION)], args)
                if len(w.token_ids) == context]
-    settings = LMStageSettings(steps=args.lm_steps, lr=args.lm_lr, tau=args.lm_tau, positions=args.lm_positions)
+    settings = LMStageSettings(steps=args.lm_steps, lr=args.lm_lr, tau=args.lm_tau, positions=args.lm_positions,
+                              objective=args.lm_objective)
     bar = _bar(args.lm_steps, "train (model loss)", not progress)
     start = time.perf_counter()
     losses = train_lm_stage(lm, projections, [w.token_ids for w in windows], settings, args.seed,

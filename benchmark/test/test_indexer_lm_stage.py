@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from benchmark.indexer.lm_stage import (
+    OBJECTIVES,
     LMStageSettings,
     SoftSelectionPlan,
     _soft_attention,
@@ -21,6 +22,7 @@ from benchmark.indexer.lm_stage import (
     layers_skipped,
     sample_positions,
     soft_selection_bias,
+    step_objective,
     train_lm_stage,
 )
 from benchmark.quality import sparse_attention
@@ -229,6 +231,32 @@ def test_the_stage_lowers_the_kl_to_dense_and_leaves_the_model_unchanged():
         assert not m.training and not any(p.requires_grad for p in m.parameters())
 
 
+def test_the_log_objective_divides_each_steps_gradient_by_its_kl():
+    for value in (3e-4, 0.02, 1.5):
+        for objective, want in (("kl", 1.0), ("log-kl", 1.0 / value)):
+            kl = torch.tensor(value, requires_grad=True)
+            step_objective(kl, objective).backward()
+            assert kl.grad.item() == pytest.approx(want, rel=1e-6), (objective, value)
+    with pytest.raises(ValueError, match="objective: expected one of kl, log-kl, got 'l2'"):
+        step_objective(torch.tensor(1.0), "l2")
+    with pytest.raises(ValueError, match="objective: expected one of kl, log-kl, got 'l2'"):
+        LMStageSettings(objective="l2")
+
+
+def test_the_stage_with_the_log_objective_lowers_the_kl_too():
+    lm = _tiny_model()
+    projections = _projections(lm)
+    held = _ids(99)
+    kl_before = _kl_to_dense(lm, projections, held, T // 8)
+    stage = LMStageSettings(steps=40, lr=1e-2, tau=0.1, budgets=(Fraction(1, 8),), positions=48, warmup_steps=2,
+                            objective="log-kl")
+    losses = train_lm_stage(lm, projections, [_ids(i) for i in range(4)], stage, seed=0)
+    first, last, _ = first_and_last(losses)["1/8"]
+    assert last < 0.8 * first, (first, last)  # the recorded loss is the KL, not its log
+    assert all(kl > 0 for _, _, kl in losses)
+    assert _kl_to_dense(lm, projections, held, T // 8) < kl_before
+
+
 def test_the_stage_is_seeded():
     lm = _tiny_model()
     stage = LMStageSettings(steps=3, lr=1e-2, budgets=(Fraction(1, 8), Fraction(1, 4)), positions=16)
@@ -262,7 +290,11 @@ def test_lm_stage_flags(capsys, tmp_path):
     from benchmark.indexer import train_cli
 
     args = train_cli.parse_args(["--out", "x.safetensors", "--lm-steps", "12"])
-    assert (args.lm_steps, args.lm_lr, args.lm_tau, args.lm_positions, args.start_from) == (12, 1e-5, 0.1, 256, None)
+    assert (args.lm_steps, args.lm_lr, args.lm_tau, args.lm_positions, args.lm_objective, args.start_from) == (
+        12, 1e-5, 0.1, 256, "kl", None)
+    assert train_cli.parse_args(["--out", "x.safetensors", "--lm-steps", "2", "--lm-objective", "log-kl"]
+                                ).lm_objective == "log-kl"
+    assert train_cli.build_parser()._option_string_actions["--lm-objective"].choices == OBJECTIVES
     assert train_cli.parse_args(["--out", "x.safetensors"]).lm_steps == 0
     start = tmp_path / "start.safetensors"
     start.write_bytes(b"x")
@@ -270,6 +302,8 @@ def test_lm_stage_flags(capsys, tmp_path):
                         (["--lm-lr", "0"], "--lm-lr: expected > 0"),
                         (["--lm-tau", "-1"], "--lm-tau: expected > 0"),
                         (["--lm-positions", "0"], "--lm-positions: expected >= 1"),
+                        (["--lm-objective", "log-kl"], "--lm-objective: applies to the model-loss stage"),
+                        (["--lm-steps", "2", "--lm-objective", "l1"], "--lm-objective: invalid choice"),
                         (["--start-from", str(start)], "--start-from: expected --lm-steps >= 1"),
                         (["--start-from", str(start), "--lm-steps", "2", "--shape", "1x64"],
                          "--shape: applies to the per-layer stages, which --start-from skips"),
@@ -279,7 +313,7 @@ def test_lm_stage_flags(capsys, tmp_path):
         with pytest.raises(SystemExit):
             train_cli.parse_args(["--out", str(tmp_path / "o.safetensors")] + flags)
         assert said in capsys.readouterr().err, flags
-    for flag in (["--lm-steps", "3"], ["--start-from", str(start)]):
+    for flag in (["--lm-steps", "3"], ["--lm-objective", "log-kl"], ["--start-from", str(start)]):
         with pytest.raises(SystemExit):
             train_cli.parse_args(["--evaluate", str(start)] + flag)
         assert f"{flag[0]}: applies to training, not to --evaluate" in capsys.readouterr().err
