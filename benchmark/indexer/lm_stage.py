@@ -232,8 +232,8 @@ def layers_skipped(model, count: int) -> Iterator[None]:
             layers[i] = layer
 
 
-def _layer_input(model, layer: int, run: Callable[[], object]) -> torch.Tensor:
-    """Decoder layer ``layer``'s input hidden states during ``run()``."""
+def _layer_input(model, layer: int, run: Callable[[], object]) -> Tuple[torch.Tensor, object]:
+    """``(decoder layer layer's input hidden states during run(), what run() returned)``."""
     seen: List[torch.Tensor] = []
 
     def hook(module, args, kwargs):
@@ -241,12 +241,12 @@ def _layer_input(model, layer: int, run: Callable[[], object]) -> torch.Tensor:
 
     handle = decoder_layers(model)[layer].register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        run()
+        result = run()
     finally:
         handle.remove()
     if len(seen) != 1:
         raise RuntimeError(f"decoder layer {layer} ran {len(seen)} times in one forward")
-    return seen[0]
+    return seen[0], result
 
 
 def sample_positions(length: int, first: int, count: int, seed: int) -> torch.Tensor:
@@ -286,11 +286,9 @@ def train_lm_stage(lm, projections: Mapping[int, IndexerProjections], windows: S
             first = max(int(T * b) for b in settings.budgets)  # every compared row is sparse at every budget
             positions = sample_positions(T, first, settings.positions, seed * 1000 + i)
             x = torch.tensor([list(ids)], dtype=torch.int64)
-            out = {}
             with torch.no_grad():
-                prefix = _layer_input(lm.model, lowest, lambda: out.setdefault(
-                    "hidden", base(input_ids=x, use_cache=False).last_hidden_state[0]))
-                logp = _final_log_probs(lm, out["hidden"].index_select(0, positions))
+                prefix, dense = _layer_input(lm.model, lowest, lambda: base(input_ids=x, use_cache=False))
+                logp = _final_log_probs(lm, dense.last_hidden_state[0].index_select(0, positions))
                 # bf16 keeps 2 bytes per vocabulary entry (Gemma: 262k entries per position).
                 p = logp.exp().to(torch.bfloat16)
                 # KL(p || q) = sum p log p - sum p log q, the first term without gradient; both

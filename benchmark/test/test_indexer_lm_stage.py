@@ -174,7 +174,8 @@ def test_a_forward_from_a_layers_input_with_the_layers_below_skipped_is_the_full
     with torch.no_grad():
         plan = SoftSelectionPlan(projections, 8, 0.1, frozenset(projections))
         full = base(input_ids=x, use_cache=False, **{PLAN_KWARG: plan}).last_hidden_state
-        prefix = _layer_input(lm.model, 1, lambda: base(input_ids=x, use_cache=False))
+        prefix, dense = _layer_input(lm.model, 1, lambda: base(input_ids=x, use_cache=False))
+        assert dense.last_hidden_state.shape == full.shape
         layers = list(decoder_layers(lm.model))
         with layers_skipped(lm.model, 1):
             assert decoder_layers(lm.model)[0] is not layers[0] and decoder_layers(lm.model)[1] is layers[1]
