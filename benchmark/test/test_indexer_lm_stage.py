@@ -130,6 +130,27 @@ def _tiny_model() -> LoadedModel:
                        full_attention_layers=full_attention_layers(model.config))
 
 
+def _tiny_gemma() -> LoadedModel:
+    """Gemma 3's layout: sliding-window layers (their own RoPE base and a window shorter than
+    ``T``) below and between the full-attention layers, scaled embeddings, q/k norms."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    sparse_attention.register()
+    cfg = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                           max_position_embeddings=512, sliding_window=16,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=sparse_attention.ATTENTION_NAME).eval()
+    with torch.no_grad():  # sharp attention, so the selection matters (q/k are normed: scale the gains, 1 + weight)
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.fill_(3.0)
+            layer.self_attn.k_norm.weight.fill_(3.0)
+    sparse_attention.install_hidden_capture(model)
+    return LoadedModel(model=model, tokenizer=None, gguf_path=None, gguf_sha256="",
+                       full_attention_layers=full_attention_layers(model.config))
+
+
 def _ids(seed: int):
     return torch.randint(0, 97, (T,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -149,6 +170,15 @@ def _kl_to_dense(lm, projections, ids, width, tau=1e-4):
     return float((dense[rows].exp() * (dense[rows] - sparse[rows])).sum(-1).mean())
 
 
+HELD_OUT = tuple(_ids(99 + k) for k in range(3))
+TRAINING = tuple(_ids(i) for i in range(8))  # fewer windows overfit: the held-out KL then rises at some thread counts
+
+
+def _held_out_kl(lm, projections):
+    """Mean KL to dense at W = T/8 (near-hard selection) over three windows never trained on."""
+    return sum(_kl_to_dense(lm, projections, ids, T // 8) for ids in HELD_OUT) / len(HELD_OUT)
+
+
 def test_the_plan_with_no_long_row_is_the_dense_forward():
     lm = _tiny_model()
     projections = _projections(lm)
@@ -166,36 +196,42 @@ def test_the_plan_with_no_long_row_is_the_dense_forward():
     assert (sparse - dense).abs().max() > 1e-2
 
 
-def test_a_forward_from_a_layers_input_with_the_layers_below_skipped_is_the_full_forward():
-    lm = _tiny_model()
+@pytest.mark.parametrize("make, trained", [(_tiny_model, (1,)), (_tiny_gemma, (1, 3)), (_tiny_gemma, (3,))])
+def test_a_forward_from_a_layers_input_with_the_layers_below_skipped_is_the_full_forward(make, trained):
+    lm = make()
     base = lm.model.base_model
-    projections = {1: _projections(lm)[1]}  # layer 0 dense: the stage starts at layer 1
+    n = len(decoder_layers(lm.model))
+    first = min(trained)  # the layers below it run dense: the stage starts at its input
+    projections = {layer: module for layer, module in _projections(lm).items() if layer in trained}
     x = torch.tensor([_ids(2)])
     with torch.no_grad():
         plan = SoftSelectionPlan(projections, 8, 0.1, frozenset(projections))
         full = base(input_ids=x, use_cache=False, **{PLAN_KWARG: plan}).last_hidden_state
-        prefix, dense = _layer_input(lm.model, 1, lambda: base(input_ids=x, use_cache=False))
+        prefix, dense = _layer_input(lm.model, first, lambda: base(input_ids=x, use_cache=False))
         assert dense.last_hidden_state.shape == full.shape
+        assert (dense.last_hidden_state - full).abs().max() > 1e-3  # the plan changes the output
         layers = list(decoder_layers(lm.model))
-        with layers_skipped(lm.model, 1):
-            assert decoder_layers(lm.model)[0] is not layers[0] and decoder_layers(lm.model)[1] is layers[1]
+        with layers_skipped(lm.model, first):
+            assert all(decoder_layers(lm.model)[i] is not layers[i] for i in range(first))
+            assert all(decoder_layers(lm.model)[i] is layers[i] for i in range(first, n))
             plan = SoftSelectionPlan(projections, 8, 0.1, frozenset(projections))
             skipped = base(inputs_embeds=prefix, use_cache=False, **{PLAN_KWARG: plan}).last_hidden_state
         assert list(decoder_layers(lm.model)) == layers
-        with pytest.raises(RuntimeError, match="boom"), layers_skipped(lm.model, 2):
+        with pytest.raises(RuntimeError, match="boom"), layers_skipped(lm.model, n):
             raise RuntimeError("boom")
         assert list(decoder_layers(lm.model)) == layers  # restored on an error too
     torch.testing.assert_close(skipped, full, atol=0, rtol=0)
-    with pytest.raises(ValueError, match=r"count: expected 0 .. 2, got 3"):
-        with layers_skipped(lm.model, 3):
+    with pytest.raises(ValueError, match=rf"count: expected 0 .. {n}, got {n + 1}"):
+        with layers_skipped(lm.model, n + 1):
             pass
 
 
-@pytest.mark.parametrize("trained_layers", [(0, 1), (1,)])
-def test_the_stage_loss_is_the_kl_to_the_dense_model(trained_layers):
+@pytest.mark.parametrize("make, trained_layers", [(_tiny_model, (0, 1)), (_tiny_model, (1,)),
+                                                  (_tiny_gemma, (1, 3)), (_tiny_gemma, (3,))])
+def test_the_stage_loss_is_the_kl_to_the_dense_model(make, trained_layers):
     """The first step's loss (before any update) by hand: full forwards with and without the
     plan, the KL at the stage's sampled positions; layers below the lowest trained one skipped."""
-    lm = _tiny_model()
+    lm = make()
     projections = {x: m for x, m in _projections(lm).items() if x in trained_layers}
     ids = _ids(5)
     stage = LMStageSettings(steps=1, lr=1e-2, budgets=(Fraction(1, 8),), positions=16)
@@ -207,7 +243,7 @@ def test_the_stage_loss_is_the_kl_to_the_dense_model(trained_layers):
     rows = sample_positions(T, T // 8, 16, seed=0)
     want = float((dense[rows].exp() * (dense[rows] - soft[rows])).sum(-1).mean())
     (_, _, got), = train_lm_stage(lm, projections, [ids], stage, seed=0)
-    assert want > 1e-3 and got == pytest.approx(want, rel=1e-2, abs=1e-5)
+    assert want > 1e-4 and got == pytest.approx(want, rel=1e-2, abs=1e-6)  # the plan matters: 100x the tolerance
 
 
 def test_the_stage_lowers_the_kl_to_dense_and_leaves_the_model_unchanged():
@@ -215,15 +251,13 @@ def test_the_stage_lowers_the_kl_to_dense_and_leaves_the_model_unchanged():
     projections = _projections(lm)
     before_params = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
     flags = {n: p.requires_grad for n, p in lm.model.named_parameters()}
-    held = _ids(99)
-    kl_before = _kl_to_dense(lm, projections, held, T // 8)
-    windows = [_ids(i) for i in range(4)]
+    kl_before = _held_out_kl(lm, projections)
     stage = LMStageSettings(steps=40, lr=1e-2, tau=0.1, budgets=(Fraction(1, 8),), positions=48, warmup_steps=2)
-    losses = train_lm_stage(lm, projections, windows, stage, seed=0)
-    assert len(losses) == 40 and {b for b, _, _ in losses} == {"1/8"} and {w for _, w, _ in losses} == {0, 1, 2, 3}
+    losses = train_lm_stage(lm, projections, TRAINING, stage, seed=0)
+    assert len(losses) == 40 and {b for b, _, _ in losses} == {"1/8"} and {w for _, w, _ in losses} == set(range(8))
     first, last, n = first_and_last(losses)["1/8"]
-    assert n == 4 and last < 0.8 * first, (first, last)
-    kl_after = _kl_to_dense(lm, projections, held, T // 8)
+    assert n == 8 and last < 0.8 * first, (first, last)
+    kl_after = _held_out_kl(lm, projections)
     assert kl_after < kl_before, (kl_before, kl_after)
     for n, p in lm.model.named_parameters():
         assert torch.equal(p, before_params[n]), n
@@ -247,15 +281,15 @@ def test_the_log_objective_divides_each_steps_gradient_by_its_kl():
 def test_the_stage_with_the_log_objective_lowers_the_kl_too():
     lm = _tiny_model()
     projections = _projections(lm)
-    held = _ids(99)
-    kl_before = _kl_to_dense(lm, projections, held, T // 8)
+    kl_before = _held_out_kl(lm, projections)
     stage = LMStageSettings(steps=40, lr=1e-2, tau=0.1, budgets=(Fraction(1, 8),), positions=48, warmup_steps=2,
                             objective="log-kl")
-    losses = train_lm_stage(lm, projections, [_ids(i) for i in range(4)], stage, seed=0)
+    losses = train_lm_stage(lm, projections, TRAINING, stage, seed=0)
     first, last, _ = first_and_last(losses)["1/8"]
     assert last < 0.8 * first, (first, last)  # the recorded loss is the KL, not its log
     assert all(kl > 0 for _, _, kl in losses)
-    assert _kl_to_dense(lm, projections, held, T // 8) < kl_before
+    kl_after = _held_out_kl(lm, projections)
+    assert kl_after < kl_before, (kl_before, kl_after)
 
 
 def test_the_stage_is_seeded():
