@@ -113,42 +113,41 @@ def test_soft_attention_at_a_small_temperature_is_the_hard_top_w_attention(L, W,
     assert checked >= L // 2
 
 
-def _tiny_model() -> LoadedModel:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def _tiny_loaded(cfg, sharpen) -> LoadedModel:
+    """A random model of ``cfg`` on the harness's attention; ``sharpen(self_attn)`` scales
+    each layer's logits up (sharp attention, so the selection matters)."""
+    from transformers import AutoModelForCausalLM
 
     sparse_attention.register()
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=sparse_attention.ATTENTION_NAME).eval()
-    with torch.no_grad():  # sharp attention, so the selection matters
+    with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8.0)
-            layer.self_attn.k_proj.weight.mul_(8.0)
+            sharpen(layer.self_attn)
     sparse_attention.install_hidden_capture(model)
     return LoadedModel(model=model, tokenizer=None, gguf_path=None, gguf_sha256="",
                        full_attention_layers=full_attention_layers(model.config))
+
+
+def _tiny_model() -> LoadedModel:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    return _tiny_loaded(cfg, lambda attn: (attn.q_proj.weight.mul_(8.0), attn.k_proj.weight.mul_(8.0)))
 
 
 def _tiny_gemma() -> LoadedModel:
     """Gemma 3's layout: sliding-window layers (their own RoPE base and a window shorter than
     ``T``) below and between the full-attention layers, scaled embeddings, q/k norms."""
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3TextConfig
 
-    sparse_attention.register()
     cfg = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
                            max_position_embeddings=512, sliding_window=16,
                            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=sparse_attention.ATTENTION_NAME).eval()
-    with torch.no_grad():  # sharp attention, so the selection matters (q/k are normed: scale the gains, 1 + weight)
-        for layer in model.model.layers:
-            layer.self_attn.q_norm.weight.fill_(3.0)
-            layer.self_attn.k_norm.weight.fill_(3.0)
-    sparse_attention.install_hidden_capture(model)
-    return LoadedModel(model=model, tokenizer=None, gguf_path=None, gguf_sha256="",
-                       full_attention_layers=full_attention_layers(model.config))
+    # q and k are normed after the projection: scale the norms' gains (1 + weight) instead.
+    return _tiny_loaded(cfg, lambda attn: (attn.q_norm.weight.fill_(3.0), attn.k_norm.weight.fill_(3.0)))
 
 
 def _ids(seed: int):
