@@ -321,8 +321,25 @@ def _metric_strides(grid_settings: GridSettings, contexts: Sequence[int]):
     return next(iter(strides.values())) if len(set(strides.values())) == 1 else strides
 
 
+def check_structure_layers(policy, sparse_layers: Sequence[int]) -> None:
+    """Every mode's listed ``structure_layers`` name sparse layers of the model (``UsageError``)."""
+    from benchmark.quality.policy_selectors import structure_layer_set
+
+    for mode in policy_mode_names():
+        _, listed = structure_layer_set(policy.for_mode(mode).structure_layers)
+        unknown = sorted(set(listed) - set(sparse_layers))
+        if unknown:
+            raise UsageError(f"structure_layers ({mode}): expected sparse layers of the model {list(sparse_layers)}, "
+                             f"got {unknown}")
+
+
+# The one setting whose value is a comma list: a bare number after it continues it.
+LIST_SETTING = "structure_layers"
+
+
 def parse_mode_settings(items: Sequence[str]):
-    """``["mode:key=value,..."]`` -> ``PolicySettings.mode_overrides``; errors name the item."""
+    """``["mode:key=value,..."]`` -> ``PolicySettings.mode_overrides``; errors name the item.
+    ``structure_layers=1,17,24`` takes the numbers after it (:data:`LIST_SETTING`)."""
     out = []
     for item in items:
         mode, sep, body = item.partition(":")
@@ -334,6 +351,9 @@ def parse_mode_settings(items: Sequence[str]):
         for part in filter(None, (p.strip() for p in body.split(","))):
             key, eq, value = part.partition("=")
             key = key.strip().replace("-", "_")
+            if not eq and pairs and pairs[-1][0] == LIST_SETTING and part.isascii() and part.isdigit():
+                pairs[-1] = (LIST_SETTING, f"{pairs[-1][1]},{part}")  # the list's next layer
+                continue
             if not eq:
                 raise UsageError(f"--policy-mode-settings {item!r}: expected KEY=VALUE, got {part!r}")
             where = f"--policy-mode-settings {mode}:sink_tokens" if key == "sink_tokens" else \
@@ -395,6 +415,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     if trained is not None and not set(lm.full_attention_layers) <= set(trained):
         raise UsageError(f"--indexer-checkpoint {cfg['selector_settings'].trained_source}: no indexer for layers "
                          f"{sorted(set(lm.full_attention_layers) - set(trained))}")
+    check_structure_layers(cfg["policy_settings"], lm.full_attention_layers)
     profile = None
     if cfg["profile_path"] is not None:
         from benchmark.quality.calibration import model_fingerprint

@@ -58,7 +58,19 @@ CONFIG_FIELDS = tuple(f.name for f in structural_settings())
 RECENCY = WitnessSignal.RECENCY.value
 DEFAULT_SIGNAL = "default"
 SHARING_LAYERS = "sharing"  # structure_layers: the mode only in the layers that reuse rows
-STRUCTURE_LAYERS = ("all", SHARING_LAYERS)
+ALL_LAYERS = "all"
+
+
+def structure_layer_set(text: str) -> Tuple[str, Tuple[int, ...]]:
+    """A ``structure_layers`` setting -> (``all`` / ``sharing`` / ``listed``, the listed layers),
+    parsed as serving parses ``RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS``; ``UsageError`` otherwise."""
+    from rtp_llm.models_py.modules.hybrid.topology_kv.config import parse_structure_layers
+
+    try:
+        kind, layers = parse_structure_layers(text)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return kind.value, layers
 
 
 def default_witness_signal(mode: str) -> str:
@@ -84,8 +96,7 @@ class _PolicySettingsMethods:
             WitnessSignal.parse(self.witness_signal, "witness signal")
         except ValueError as exc:
             raise UsageError(f"--policy-witness-signal: {exc}") from exc
-        if self.structure_layers not in STRUCTURE_LAYERS:
-            raise UsageError(f"structure_layers: expected one of {list(STRUCTURE_LAYERS)}, got {self.structure_layers!r}")
+        structure_layer_set(self.structure_layers)
         fields = {f.name for f in dataclasses.fields(self)} - {"mode_overrides"}
         for mode, pairs in self.mode_overrides:
             for key, _ in pairs:
@@ -140,7 +151,10 @@ PolicySettings.__doc__ = """Policy configuration used by every policy selector (
         ``query_group_mass``)
     structure_layers : ``learned-shared:<scan>+<mode>`` only: ``all`` (default) runs the mode
         in every sparse layer, ``sharing`` only in the layers that reuse another layer's
-        rows (a scanning layer keeps its own rows: ``RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS=sharing``)
+        rows (a scanning layer keeps its own rows: ``RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS=sharing``),
+        a comma list of layer indices only in those layers (the others keep the rows they
+        have, scanned or reused); in ``--policy-mode-settings`` the list's commas continue
+        the value (``MODE:structure_layers=1,17,witness_blocks=64``)
     mode_overrides : ``((mode, ((field, value), ...)), ...)``: settings that differ for one
         mode (e.g. ``topology_only`` with smaller blocks), applied by :meth:`for_mode`
     """

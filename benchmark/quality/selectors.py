@@ -196,9 +196,11 @@ def make_selector(
             raise UsageError(f"--selectors: {key!r} needs a profile (--profile FILE)")
         if shared.mode is None:
             return shared_scans.make_shared_learned(shared.scan, settings, profile)
-        if shared.mode != shared_scans.PROFILE_MODE and (policy_settings or policy_selectors.PolicySettings()).for_mode(
-                shared.mode).structure_layers == policy_selectors.SHARING_LAYERS:
-            return _on_sharing_layers(shared, settings, policy_settings, profile)
+        if shared.mode != shared_scans.PROFILE_MODE:
+            kind, listed = policy_selectors.structure_layer_set(
+                (policy_settings or policy_selectors.PolicySettings()).for_mode(shared.mode).structure_layers)
+            if kind != policy_selectors.ALL_LAYERS:
+                return _on_structure_layers(shared, settings, policy_settings, profile, listed)
         base_rows = shared_scans.shared_base_rows(shared.scan, settings, profile)
         if shared.mode == shared_scans.PROFILE_MODE:
             if profile.policy.value not in shared_scans.MERGE_MODES:
@@ -224,23 +226,26 @@ def make_selector(
     raise UsageError(f"--selectors: unknown selector {name!r}; expected one of [{valid}]")
 
 
-def _on_sharing_layers(shared, settings: SelectorSettings, policy_settings, profile) -> Selector:
-    """``learned-shared:<scan>+<mode>`` with ``structure_layers=sharing``: a scanning layer
-    attends over its own rows as they are, a sharing layer runs the mode on the rows it
-    reuses (what ``RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS=sharing`` serves)."""
+def _on_structure_layers(shared, settings: SelectorSettings, policy_settings, profile,
+                         listed: Tuple[int, ...]) -> Selector:
+    """``learned-shared:<scan>+<mode>`` with ``structure_layers`` other than ``all``: the mode
+    runs on the rows a layer has (its own when it scans, else the reused ones) only in the
+    listed layers, or with no list in the layers that reuse rows; every other layer attends
+    over its rows as they are (what ``RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS`` serves)."""
     memory = shared_scans.shared_scan(shared.scan, profile)
-    reused = {}
+    found_rows = {}
     merge = policy_selectors.make_policy_selector(shared.mode, settings, policy_settings,
-                                                  base_rows=lambda layer, width: reused[width])
+                                                  base_rows=lambda layer, width: found_rows[width])
 
-    def select_on_sharing_layers(layer: LayerInputs, width: int, stats: Dict[str, float]) -> torch.Tensor:
+    def select_on_structure_layers(layer: LayerInputs, width: int, stats: Dict[str, float]) -> torch.Tensor:
         found = memory.rows(layer, width, settings)
-        if memory.scanned(width):
+        runs = layer.layer_idx in listed if listed else not memory.scanned(width)
+        if not runs:
             return found[0]
-        reused[width] = found
+        found_rows[width] = found
         return merge(layer, width, stats)
 
-    return select_on_sharing_layers
+    return select_on_structure_layers
 
 
 def _is_failure_selector(key: str) -> bool:

@@ -135,7 +135,20 @@ def summarize_shared_structure(
         sums["recovered"] = (sums["reuse"] - sums["chosen"]) / lost if lost > 0 else float("nan")
         per_budget[budget_key(budget)] = {"layers": layers, "sum": sums}
     return {"scan": plan.spec, "scanning": list(plan.scanning), "sparse_layers": len(plan.sparse_layers),
-            "margin": settings.margin, "budgets": per_budget}
+            "margin": settings.margin, "budgets": per_budget, "ranked": rank_structure_layers(per_budget)}
+
+
+def rank_structure_layers(per_budget: Dict[str, object]) -> List[List[object]]:
+    """``[[layer, recovered], ...]``: the sharing layers whose chosen structure beats the reused
+    rows, by the output error it removes summed over the budgets (``reuse - chosen``),
+    largest first (ties by layer). Its first K are where ``structure_layers`` spends the
+    policy's time best (``RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS``)."""
+    gain: Dict[int, float] = {}
+    for budget in per_budget.values():
+        for layer, m in budget["layers"].items():
+            gain[int(layer)] = gain.get(int(layer), 0.0) + (m["reuse"] - m["chosen_cos_diff"])
+    ranked = sorted(((layer, g) for layer, g in gain.items() if g > 0), key=lambda x: (-x[1], x[0]))
+    return [[layer, round(g, 6)] for layer, g in ranked]
 
 
 def format_shared_structure(summary: Dict[str, object]) -> str:
@@ -168,6 +181,12 @@ def format_shared_structure(summary: Dict[str, object]) -> str:
         f"{s['learned']:.4f} / {s['reuse']:.4f} -> {s['chosen']:.4f} (**{s['recovered']:.0%}** recovered)"
         if s["recovered"] == s["recovered"] else f"{s['learned']:.4f} / {s['reuse']:.4f} (sharing loses nothing)"
         for s in sums) + " |")
+    ranked = summary.get("ranked", [])
+    if ranked:
+        lines.append("\nsharing layers by the output error their structure removes (summed over the budgets): "
+                     + ", ".join(f"{layer} ({gain:.4f})" for layer, gain in ranked)
+                     + f"; structure on the first K: `RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS="
+                     + ",".join(str(layer) for layer, _ in ranked[:min(4, len(ranked))]) + "` (K = 4)")
     lines.append("\nThe best candidate is chosen on the windows it is scored on: the recovered share is an "
                  "optimistic bound for per-layer structure on reused rows.")
     return "\n".join(lines)

@@ -743,6 +743,22 @@ def test_shared_structure_summary_by_hand():
     assert "| **sum** | | 0.0200 / 0.0500 -> 0.0400 (**33%** recovered) |" in table
     assert f"| 2 | 0 | 0.0100 / 0.0300 -> 0.0200 {names[0]} (+50%) |" in table
     assert "| 6 | 4 | 0.0100 / 0.0200 -> 0.0200 - |" in table
+    # Only layer 2's structure removes error (0.030 - 0.020); layer 6 keeps its reused rows.
+    assert s["ranked"] == [[2, pytest.approx(0.01)]]
+    assert "sharing layers by the output error their structure removes (summed over the budgets): 2 (0.0100); " \
+           "structure on the first K: `RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS=2` (K = 4)" in table
+
+
+def test_structure_layers_ranked_by_the_error_removed_over_budgets():
+    from benchmark.quality.shared_structure import rank_structure_layers
+
+    def layer(reuse, chosen):
+        return {"reuse": reuse, "chosen_cos_diff": chosen}
+
+    per_budget = {"1/8": {"layers": {"1": layer(0.03, 0.02), "3": layer(0.02, 0.02), "5": layer(0.05, 0.045)}},
+                  "1/4": {"layers": {"1": layer(0.01, 0.01), "5": layer(0.02, 0.01), "7": layer(0.004, 0.002)}}}
+    assert rank_structure_layers(per_budget) == [[5, 0.015], [1, 0.01], [7, 0.002]]
+    assert rank_structure_layers({"1/8": {"layers": {"2": layer(0.01, 0.01)}}}) == []
 
 
 @pytest.mark.parametrize("signal", ["default", "query_mass"])

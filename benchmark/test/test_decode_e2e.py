@@ -610,6 +610,24 @@ def test_structure_on_sharing_layers_only_disables_the_scanning_layers_policy(sh
     assert everywhere.topology.enabled and everywhere.reads_queries
 
 
+def test_structure_on_listed_layers_only(shape, capsys):
+    from benchmark.e2e.indexers import share_plan
+
+    args = e2e.parse_args(["--quick", "--policy-mode-settings",
+                           "topology_sparse_merge:witness_signal=query_group_mass,block_size=8,structure_layers=3,1"])
+    settings = args.mode_settings
+    assert settings["topology_sparse_merge"]["structure_layers"] == "3,1"
+    variant = "learned-shared:2+topology_sparse_merge"
+    plan = share_plan(variant, range(4))
+    built = [make_indexer(variant, shape, 48, layer, torch.device("cpu"), share=plan, mode_settings=settings)
+             for layer in range(4)]
+    assert [x.topology.enabled for x in built] == [False, True, False, True]
+    assert [x.reads_queries for x in built] == [False, True, False, True]
+    with pytest.raises(ValueError, match=r"expected sparse layers of the model \[0, 1, 2, 3\], got \[7\]"):
+        make_indexer(variant, shape, 48, 0, torch.device("cpu"), share=plan,
+                     mode_settings={"topology_sparse_merge": {"structure_layers": "1,7"}})
+
+
 def test_policy_mode_settings_are_checked_before_the_load(capsys):
     args = e2e.parse_args(["--quick", "--policy-mode-settings",
                            "topology_sparse_merge:block_size=8,witness_signal=query_group_mass"])
@@ -620,7 +638,9 @@ def test_policy_mode_settings_are_checked_before_the_load(capsys):
         ("topology_sparse_merge:scaffold_tokens=4", "scaffold_tokens is the quality harness's"),
         ("sparse:block_size=8", "expected MODE:KEY=VALUE,... with MODE in"),
         ("topology_sparse_merge:block_size=0", "block_size"),
-        ("topology_sparse_merge:structure_layers=some", "structure_layers: expected one of [all, sharing]"),
+        ("topology_sparse_merge:structure_layers=some", "structure_layers: expected one of [all, sharing] or a "
+         "comma list of layer indices"),
+        ("topology_sparse_merge:structure_layers=1,1", "structure_layers: expected each layer once"),
     ]:
         with pytest.raises(SystemExit):
             e2e.parse_args(["--policy-mode-settings", item])

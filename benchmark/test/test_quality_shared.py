@@ -5,6 +5,7 @@ a new forward starting over, and the names (synthetic layer inputs, no model).""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -91,8 +92,35 @@ def test_structure_on_sharing_layers_only_leaves_the_scanning_layers_rows():
             assert torch.equal(got, own) and not torch.equal(got, merged) and not stats
         else:  # a sharing layer: the merge on the reused rows, as everywhere
             assert torch.equal(got, merged) and stats["structural_injected_tokens"] > 0
-    with pytest.raises(UsageError, match=r"structure_layers: expected one of \['all', 'sharing'\], got 'some'"):
+    with pytest.raises(UsageError, match=r"structure_layers: expected one of \[all, sharing\] or a comma list of "
+                                         r"layer indices \(e.g. 1,17,24\), got 'some'"):
         PolicySettings(structure_layers="some")
+
+
+def test_structure_on_listed_layers_only():
+    from benchmark.quality.cli import parse_mode_settings
+    from benchmark.quality.policy_selectors import PolicySettings
+
+    width = 320
+    layers = [synthetic_layer(30 + i, layer_idx=x, T=640) for i, x in enumerate((2, 5, 7, 9))]
+    overrides = parse_mode_settings(["topology_sparse_merge:structure_layers=2,9,witness_blocks=2"])
+    assert overrides == (("topology_sparse_merge", (("structure_layers", "2,9"), ("witness_blocks", 2))),)
+    everywhere = make_selector("learned-shared:2+topology_sparse_merge", SETTINGS,
+                               PolicySettings(mode_overrides=parse_mode_settings(
+                                   ["topology_sparse_merge:witness_blocks=2"])))
+    listed = make_selector("learned-shared:2+topology_sparse_merge", SETTINGS, PolicySettings(mode_overrides=overrides))
+    plain = make_selector("learned-shared:2", SETTINGS)
+    for layer in layers:
+        stats = {}
+        got, merged, rows = listed(layer, width, stats), everywhere(layer, width, {}), plain(layer, width, {})
+        if layer.layer_idx in (2, 9):  # listed: the merge on the rows the layer has (own at 2, reused at 9)
+            assert torch.equal(got, merged) and not torch.equal(got, rows) and stats["structural_injected_tokens"] > 0
+        else:  # not listed: the rows as they are, scanned (7) or reused (5)
+            assert torch.equal(got, rows) and not torch.equal(got, merged) and not stats
+    with pytest.raises(UsageError, match=r"expected KEY=VALUE, got '9'"):
+        parse_mode_settings(["topology_sparse_merge:witness_blocks=2,9"])
+    with pytest.raises(UsageError, match=r"structure_layers: expected each layer once, got '2,2'"):
+        PolicySettings(structure_layers="2,2")
 
 
 def test_shared_names():
@@ -283,3 +311,15 @@ def test_recovery_is_judged_only_where_sharing_alone_measurably_loses():
     rec = {c.name.split(" (ctx")[0]: c for c in evaluate_shared_gate(only_noise)}[
         "shared every 2: merge recovers >= 50% of what sharing loses"]
     assert rec.passed is True and "loses nothing measurable" in rec.detail
+
+
+def test_listed_structure_layers_must_be_the_models():
+    from benchmark.quality.cli import check_structure_layers, parse_mode_settings
+    from benchmark.quality.policy_selectors import PolicySettings
+
+    policy = PolicySettings(mode_overrides=parse_mode_settings(["topology_sparse_merge:structure_layers=3,40,41"]))
+    check_structure_layers(PolicySettings(), [0, 1])
+    check_structure_layers(policy, list(range(42)))
+    with pytest.raises(UsageError, match=re.escape("structure_layers (topology_sparse_merge): expected sparse layers "
+                                                   "of the model [0, 1, 2, 3], got [40, 41]")):
+        check_structure_layers(policy, [0, 1, 2, 3])

@@ -211,8 +211,8 @@ class Indexer(nn.Module):
             topology, layer_idx=layer_idx, width=index_topk, device=device, profile=topology_profile,
             profile_budget=topology_profile_budget,
         )
-        scanning_off = self._scanning_layer_off(topology, share)
-        if scanning_off:  # structure_layers=sharing on a scanning layer: its op rows as they are
+        structure_off = self._structure_off_reason(topology, share)
+        if structure_off is not None:  # not a structure layer: the rows it has, as they are
             self.topology_layer = TopologyKVLayerPolicy.build(
                 dataclasses.replace(topology, policy=TopologyKVPolicyConfig()), layer_idx=layer_idx,
                 width=index_topk, device=device,
@@ -227,25 +227,39 @@ class Indexer(nn.Module):
             None if topology_profile is None else os.path.splitext(os.path.basename(topology_profile.path))[0]
         )
         self._disabled_reason = None
-        if scanning_off:
-            self._disabled_reason = PolicySkipReason.SCANNING_LAYER
+        if structure_off is not None:
+            self._disabled_reason = structure_off
         elif not self.topology.enabled:
             self._disabled_reason = (
                 PolicySkipReason.DISABLED if topology_profile is None else PolicySkipReason.PROFILE_SKIPPED_LAYER
             )
 
-    def _scanning_layer_off(self, topology: IndexerTopologySettings, share: Optional[IndexerSharePlan]) -> bool:
-        """Whether ``structure_layers=sharing`` switches this layer's (enabled) policy off: it
-        scans. Raises when no layer of the model would run the policy (no plan that shares)."""
-        if topology.structure_layers is not StructureLayers.SHARING or not self.topology_layer.settings.enabled:
-            return False
+    def _structure_off_reason(
+        self, topology: IndexerTopologySettings, share: Optional[IndexerSharePlan]
+    ) -> Optional[PolicySkipReason]:
+        """Why ``structure_layers`` switches this layer's (enabled) policy off, or None when it
+        runs here: ``sharing`` and the layer scans (``SCANNING_LAYER``), or a list without
+        it (``UNLISTED_LAYER``). Raises for ``sharing`` without a plan that shares, and for a
+        list naming a layer that is not one of the plan's sparse layers."""
+        if not self.topology_layer.settings.enabled or topology.structure_layers is StructureLayers.ALL:
+            return None
+        if topology.structure_layers is StructureLayers.LISTED:
+            listed = topology.structure_layer_list
+            if share is not None:
+                unknown = sorted(set(listed) - set(share.sparse_layers))
+                if unknown:
+                    raise ValueError(
+                        f"structure_layers ({ENV_STRUCTURE_LAYERS}): expected sparse layers of the model "
+                        f"{list(share.sparse_layers)}, got {unknown} in {','.join(map(str, listed))}"
+                    )
+            return None if self.layer_idx in listed else PolicySkipReason.UNLISTED_LAYER
         if share is None or not share.shares:
             plan = "no plan was given" if share is None else f"the plan {share.spec!r} shares no layer"
             raise ValueError(
                 f"structure_layers ({ENV_STRUCTURE_LAYERS}): expected shared indexer scans ({ENV_INDEXER_SHARE}): "
                 f"'sharing' runs the policy only on layers that reuse another layer's rows, but {plan}"
             )
-        return self.shares_rows_of is None
+        return PolicySkipReason.SCANNING_LAYER if self.shares_rows_of is None else None
 
     @property
     def reads_drift(self) -> bool:

@@ -387,3 +387,46 @@ def test_structure_layers_sharing_without_sharing_layers_is_an_error(share, what
     # With the policy off the setting changes nothing and needs no plan.
     off = IndexerTopologySettings(structure_layers="sharing")
     assert not Indexer(HEADS, DIM, topology=off, layer_idx=0, share=share).topology.enabled
+
+
+# ------------------------------------------------------------------ structure on listed layers only
+
+
+def test_structure_layers_listed_runs_the_policy_only_there(decode_case):
+    from rtp_llm.models_py.modules.hybrid.topology_kv.step_record import PolicySkipReason
+
+    plan = IndexerSharePlan.parse("0", (0, 1, 2))  # layer 0 scans, layers 1 and 2 reuse its rows
+    structure = dict(local_blocks=1, witness_blocks=2, max_structural_fraction=0.5)
+    settings = policy_settings(MERGE, witness_signal="query_group_mass", structure_layers="2", **structure)
+    layers = [Indexer(HEADS, DIM, topology=settings, layer_idx=i, share=plan) for i in range(3)]
+    assert [x.topology.enabled for x in layers] == [False, False, True]
+    assert [x.reads_queries for x in layers] == [False, False, True]
+    tracker = _attention_tracker(decode_case)
+    holder, step = SharedTopkRows(), TopologyStepCounters()
+    R = len(decode_case.batch.row_lengths)
+    queries = torch.randn(R, QH, QD, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    kw = dict(drift_tracker=tracker, witness_queries=queries, topology_counters=step)
+    rows = run_compute_topk(layers[0], decode_case, kv_cache=fill_cache(layers[0], decode_case), shared_rows=holder,
+                            **kw)
+    assert rows is holder.by_layer[0]  # the op's rows themselves: no policy ran
+    unlisted = _share_call(layers[1], decode_case, None, holder, **kw)
+    assert torch.equal(unlisted, rows)  # a sharing layer not listed serves the reused rows as they are
+    listed = _share_call(layers[2], decode_case, None, holder, **kw)
+    assert not torch.equal(listed, rows)
+    assert [step.calls[i].skip_reason for i in range(3)] == [PolicySkipReason.UNLISTED_LAYER,
+                                                             PolicySkipReason.UNLISTED_LAYER,
+                                                             None]
+    # The same list with a scanning layer listed: it merges its own op rows.
+    scanning_listed = policy_settings(MERGE, witness_signal="query_group_mass", structure_layers="0,2", **structure)
+    assert Indexer(HEADS, DIM, topology=scanning_listed, layer_idx=0, share=plan).topology.enabled
+
+
+def test_structure_layers_listed_needs_no_sharing_but_checks_the_plans_layers():
+    settings = policy_settings(MERGE, structure_layers="1")
+    assert not Indexer(HEADS, DIM, topology=settings, layer_idx=0).topology.enabled
+    assert Indexer(HEADS, DIM, topology=settings, layer_idx=1).topology.enabled
+    assert Indexer(HEADS, DIM, topology=settings, layer_idx=1, share=IndexerSharePlan.none((0, 1))).topology.enabled
+    with pytest.raises(ValueError, match=re.escape(
+            "structure_layers (RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS): expected sparse layers of the model [0, 1], "
+            "got [5, 7] in 1,5,7")):
+        Indexer(HEADS, DIM, topology=policy_settings(MERGE, structure_layers="7,1,5"), layer_idx=0, share=PLAN)

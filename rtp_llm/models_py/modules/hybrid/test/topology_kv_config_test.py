@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from unittest import mock
 
@@ -232,10 +233,51 @@ def test_env_structure_layers():
     assert IndexerTopologySettings.from_env({ENV_STRUCTURE_LAYERS: " Sharing "}).structure_layers is StructureLayers.SHARING
     with pytest.raises(ValueError) as err:
         IndexerTopologySettings.from_env({ENV_STRUCTURE_LAYERS: "scanning"})
-    assert str(err.value) == (f"{ENV_STRUCTURE_LAYERS}='scanning': expected one of [all, sharing] (case-insensitive), "
-                              "got 'scanning'")
+    assert str(err.value) == (f"{ENV_STRUCTURE_LAYERS}='scanning': expected all, sharing or a comma list of layer "
+                              "indices (e.g. 1,17,24), got 'scanning'")
     with pytest.raises(ValueError, match=r"structure_layers: expected one of \[all, sharing\]"):
         IndexerTopologySettings(structure_layers="some")
+    listed = IndexerTopologySettings.from_env({ENV_STRUCTURE_LAYERS: " 24, 1,17 "})
+    assert listed.structure_layers is StructureLayers.LISTED
+    assert listed.structure_layer_list == (1, 17, 24)
+    for bad in ("1,,2", "1;2", "-1", "1,1"):
+        with pytest.raises(ValueError, match=f"^{ENV_STRUCTURE_LAYERS}="):
+            IndexerTopologySettings.from_env({ENV_STRUCTURE_LAYERS: bad})
+
+
+@pytest.mark.parametrize("value, kind, layers", [
+    ("all", "ALL", ()), (" SHARING ", "SHARING", ()), ("3", "LISTED", (3,)), ("9,2,5", "LISTED", (2, 5, 9)),
+    ((4, 0), "LISTED", (0, 4)), ([7], "LISTED", (7,)),
+])
+def test_structure_layers_forms(value, kind, layers):
+    from rtp_llm.models_py.modules.hybrid.topology_kv.config import StructureLayers
+
+    settings = IndexerTopologySettings(structure_layers=value)
+    assert settings.structure_layers is StructureLayers[kind]
+    assert settings.structure_layer_list == layers
+    # dataclasses.replace (the Indexer's scanning-layer copy) keeps the list
+    again = dataclasses.replace(settings, policy=TopologyKVPolicyConfig())
+    assert (again.structure_layers, again.structure_layer_list) == (settings.structure_layers, layers)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("1,1", "expected each layer once, got '1,1'"),
+    ("", "expected one of [all, sharing] or a comma list of layer indices (e.g. 1,17,24), got ''"),
+    ("1,x", "expected one of [all, sharing] or a comma list of layer indices (e.g. 1,17,24), got '1,x'"),
+    ((1, -2), "expected layer indices >= 0, got (1, -2)"),
+    ((1, True), "expected layer indices >= 0, got (1, True)"),
+    ((), "expected all, sharing or a comma list of layer indices (e.g. 1,17,24), got ()"),
+    ("listed", "expected one of [all, sharing] or a comma list"),
+])
+def test_structure_layers_refusals(value, message):
+    with pytest.raises(ValueError) as err:
+        IndexerTopologySettings(structure_layers=value)
+    assert str(err.value).startswith("structure_layers: " + message)
+
+
+def test_structure_layer_list_only_with_listed():
+    with pytest.raises(ValueError, match=r"^structure_layer_list: expected it only with structure_layers listed"):
+        IndexerTopologySettings(structure_layers="sharing", structure_layer_list=(1,))
 
 
 def test_every_serving_variable_is_read_and_documented_in_the_readme():

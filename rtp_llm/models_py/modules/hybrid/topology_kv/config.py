@@ -175,21 +175,60 @@ SERVED_WITNESS_SIGNALS = tuple(s for s in WitnessSignal if s.served)
 
 
 class StructureLayers(enum.Enum):
-    """Which sparse layers run the policy when indexer scans are shared.
+    """Which sparse layers run the policy.
 
     ALL      every sparse layer (the default)
     SHARING  only the layers that reuse another layer's rows (``RTP_LLM_TOPOLOGY_KV_INDEXER_SHARE``);
              a scanning layer serves its own op rows unchanged. Query-aware witnesses
              repair reused rows but cost quality on a trained indexer's own rows
              (docs/results.md, "One query per KV head").
+    LISTED   only the layers listed (``IndexerTopologySettings.structure_layer_list``), written
+             as a comma list of layer indices: structure where it pays for its time (the
+             ranking ``benchmark/topology_kv_calibrate.py --shared-structure`` prints); every
+             other layer serves the rows it has (its op's, or the reused ones) unchanged.
     """
 
     ALL = "all"
     SHARING = "sharing"
+    LISTED = "listed"
 
     @classmethod
     def parse(cls, value: Union[str, "StructureLayers"], setting: str = "structure_layers") -> "StructureLayers":
         return parse_enum_member(cls, value, setting)
+
+
+STRUCTURE_LAYERS_FORMS = "all, sharing or a comma list of layer indices (e.g. 1,17,24)"
+
+
+def parse_structure_layers(
+    value, setting: str = "structure_layers"
+) -> Tuple["StructureLayers", Tuple[int, ...]]:
+    """``all`` / ``sharing`` (any case), a comma list of layer indices (text, or a sequence of
+    ints) -> ``(StructureLayers, layers)``: the layers ascending for ``LISTED``, else ``()``.
+    ``ValueError`` naming ``setting``, the forms and the value."""
+    if isinstance(value, StructureLayers):
+        if value is StructureLayers.LISTED:
+            raise ValueError(f"{setting}: 'listed' is written as the layers themselves ({STRUCTURE_LAYERS_FORMS})")
+        return value, ()
+    if isinstance(value, str):
+        key = value.strip().lower()
+        for member in (StructureLayers.ALL, StructureLayers.SHARING):
+            if key in (member.value, member.name.lower()):
+                return member, ()
+        items = [x.strip() for x in key.split(",")]
+        if not key or not all(re.fullmatch(r"[0-9]+", x) for x in items):
+            raise ValueError(f"{setting}: expected one of [all, sharing] or a comma list of layer indices "
+                             f"(e.g. 1,17,24), got {shown(value)}")
+        layers = [int(x) for x in items]
+    elif isinstance(value, (tuple, list, frozenset, set)) and value:
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in value):
+            raise ValueError(f"{setting}: expected layer indices >= 0, got {shown(tuple(value))}")
+        layers = list(value)
+    else:
+        raise ValueError(f"{setting}: expected {STRUCTURE_LAYERS_FORMS}, got {shown(value)}")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"{setting}: expected each layer once, got {shown(value)}")
+    return StructureLayers.LISTED, tuple(sorted(layers))
 
 
 # The serving variables (module docstring); each policy setting names its own in its field.
@@ -493,16 +532,21 @@ class IndexerTopologySettings:
         ``BlockDriftTracker``), ``recency`` (no scores, no tracker needed) or
         ``query_group_mass`` (each row's attention queries, handed in by the caller, against
         the block centroids of a tracker the caller feeds with the layer's attention keys).
-    structure_layers : StructureLayers or its name
-        ``all`` (default) or ``sharing``: with shared indexer scans, the policy only in the
+    structure_layers : StructureLayers, its name, or the layers themselves
+        ``all`` (default); ``sharing``: with shared indexer scans, the policy only in the
         layers that reuse another layer's rows (the ``Indexer`` of a scanning layer then
-        serves its op rows, skip reason ``scanning_layer``).
+        serves its op rows, skip reason ``scanning_layer``); or a comma list of layer
+        indices (text or ints): the policy only in those layers (``LISTED``; the others
+        serve their rows unchanged, skip reason ``unlisted_layer``).
+    structure_layer_list : the listed layers, ascending (set from ``structure_layers``;
+        empty unless it is ``LISTED``)
     """
 
     policy: TopologyKVPolicyConfig = dataclasses.field(default_factory=TopologyKVPolicyConfig)
     paths: FrozenSet[IndexerPath] = ALL_PATHS
     witness_signal: WitnessSignal = WitnessSignal.AUTO
     structure_layers: StructureLayers = StructureLayers.ALL
+    structure_layer_list: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, TopologyKVPolicyConfig):
@@ -518,7 +562,15 @@ class IndexerTopologySettings:
                 f"got {self.witness_signal!r}"
             )
         object.__setattr__(self, "witness_signal", signal)
-        object.__setattr__(self, "structure_layers", StructureLayers.parse(self.structure_layers))
+        if self.structure_layers is StructureLayers.LISTED and self.structure_layer_list:
+            kind, listed = parse_structure_layers(tuple(self.structure_layer_list))
+        else:
+            kind, listed = parse_structure_layers(self.structure_layers)
+            if self.structure_layer_list and tuple(self.structure_layer_list) != listed:
+                raise ValueError(f"structure_layer_list: expected it only with structure_layers listed, "
+                                 f"got {shown(self.structure_layer_list)} with {shown(self.structure_layers)}")
+        object.__setattr__(self, "structure_layers", kind)
+        object.__setattr__(self, "structure_layer_list", listed)
         paths = frozenset(self.paths)
         for p in paths:
             if not isinstance(p, IndexerPath):
@@ -551,7 +603,15 @@ class IndexerTopologySettings:
         }
         paths = _env_paths(environ, ENV_PATHS)
         witness_signal = _env_enum(environ, ENV_WITNESS_SIGNAL, WitnessSignal, WitnessSignal.AUTO, SERVED_WITNESS_SIGNALS)
-        structure_layers = _env_enum(environ, ENV_STRUCTURE_LAYERS, StructureLayers, StructureLayers.ALL)
+        structure_layers = _env_value(environ, ENV_STRUCTURE_LAYERS)
+        if structure_layers is None:
+            structure_layers = StructureLayers.ALL
+        else:
+            try:
+                parse_structure_layers(structure_layers)
+            except ValueError:
+                raise ValueError(f"{ENV_STRUCTURE_LAYERS}={shown(structure_layers)}: expected "
+                                 f"{STRUCTURE_LAYERS_FORMS}, got {shown(structure_layers)}") from None
         try:
             policy = TopologyKVPolicyConfig(block_size=block_size, **values)
         except ValueError as err:

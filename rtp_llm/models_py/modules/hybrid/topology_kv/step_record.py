@@ -24,6 +24,7 @@ class PolicySkipReason(enum.Enum):
     PATH_OFF = "path_off"  # the call's path is not in RTP_LLM_TOPOLOGY_KV_PATHS
     NO_LOCAL_ROWS = "no_local_rows"  # a CP rank with no local rows (the top-k op returned None)
     SCANNING_LAYER = "scanning_layer"  # structure_layers=sharing and this layer scans
+    UNLISTED_LAYER = "unlisted_layer"  # structure_layers lists layers, not this one
 
 
 @dataclasses.dataclass(frozen=True)
