@@ -105,7 +105,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "it (not a profile's), e.g. topology_sparse_merge:block_size=8,witness_blocks=64,"
                         "witness_signal=query_group_mass (keys: TopologyKVPolicyConfig's fields, "
                         "witness_signal, a served one, and structure_layers=sharing: the mode only in the layers "
-                        "that reuse rows, RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS; repeatable)")
+                        "that reuse rows, or structure_layers=17,24,18: only in those layers, "
+                        "RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS; repeatable)")
     p.add_argument("--indexer", default="trained", choices=("trained", "proxy"),
                    help="trained: the learned variants rank with the trained indexer (--indexer-checkpoint, default "
                         "the one shipped for the model); proxy: the untrained proxy of --indexer-preset (a null model)")

@@ -190,11 +190,7 @@ class StructureLayers(enum.Enum):
 
     ALL = "all"
     SHARING = "sharing"
-    LISTED = "listed"
-
-    @classmethod
-    def parse(cls, value: Union[str, "StructureLayers"], setting: str = "structure_layers") -> "StructureLayers":
-        return parse_enum_member(cls, value, setting)
+    LISTED = "listed"  # parsed with its layers by parse_structure_layers
 
 
 STRUCTURE_LAYERS_FORMS = "all, sharing or a comma list of layer indices (e.g. 1,17,24)"
