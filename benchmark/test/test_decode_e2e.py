@@ -658,12 +658,18 @@ def test_the_shared_target_takes_the_fastest_configuration_at_learned_quality():
             row("learned-shared:2+topology_sparse_merge", 1, 78.0, 0.05),
             row("learned-shared:4+topology_sparse_merge", 1, 70.0, 0.06),  # faster, but worse KL
             row("dense", 8, 90.0, 0.0), row("learned", 8, 100.0, 0.01),
-            row("learned+topology_sparse_merge", 8, 101.0, 0.02)]
+            row("learned+topology_sparse_merge", 8, 101.0, 0.02),
+            row("learned-shared:2+topology_sparse_merge", 8, 80.0, 0.03)]  # faster, further from learned's KL
     got = {t["batch"]: t for t in e2e.targets(rows) if t["target"].startswith("a configuration with structure")}
     assert got[1]["passed"] is True and abs(got[1]["value"] - 100 / 78) < 1e-9
     assert "learned-shared:2+topology_sparse_merge 1.282x" in got[1]["detail"]
     assert got[8]["passed"] is False and got[8]["value"] is None
-    assert "no configuration with structure has mean KL <= learned's (0.0100)" in got[8]["detail"]
+    # None as good: the detail names the one closest to learned's KL (not the fastest), with its speed.
+    assert got[8]["detail"] == ("no configuration with structure has mean KL <= learned's (0.0100); the closest: "
+                                "learned+topology_sparse_merge 0.990x learned's step (paired), mean KL 0.0200 vs "
+                                "learned's 0.0100; speed interval [0.990, 0.990]")
+    assert got[8]["closest"]["variant"] == "learned+topology_sparse_merge"
+    assert got[8]["closest"]["speed"] == pytest.approx(100 / 101) and "kl_difference" not in got[8]["closest"]
     text = e2e.format_targets(e2e.targets(rows))
     assert "PASS: a configuration with structure >= 1.25x learned's step at mean KL <= learned's, batch 1" in text
     # Of any kind: sharing alone is eligible (learned itself is not); batch 8 has nothing as good.

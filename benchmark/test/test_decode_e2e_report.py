@@ -331,6 +331,21 @@ def test_the_quality_target_prints_the_speed_interval_and_the_kl_difference():
                                 "[-0.0050, -0.0050]")
 
 
+def test_a_near_miss_prints_the_closest_configuration_with_its_kl_difference():
+    """Hand-computed: KL per step 0.05, 0.06 against learned's 0.04, 0.05 -> +0.0100 in both
+    steps; speed 100 / 80 = 1.25 in both."""
+    base = {**row("learned", 8192, 8, 100.0), "mean_kl": 0.045, "step_ms": [100.0, 100.0], "step_kl": [0.04, 0.05]}
+    shared = {**row("learned-shared:2+topology_sparse_merge", 8192, 8, 80.0), "mean_kl": 0.055,
+              "step_ms": [80.0, 80.0], "step_kl": [0.05, 0.06]}
+    t = next(t for t in report.targets([base, shared]) if t["target"].startswith("a configuration with structure")
+             and t["batch"] == 8)
+    assert t["passed"] is False and t["value"] is None and "interval" not in t
+    assert t["closest"]["kl_difference"]["point"] == pytest.approx(0.01)
+    assert t["detail"] == ("no configuration with structure has mean KL <= learned's (0.0450); the closest: "
+                           "learned-shared:2+topology_sparse_merge 1.250x learned's step (paired), mean KL 0.0550 vs "
+                           "learned's 0.0450; speed interval [1.250, 1.250]; KL difference +0.0100 [+0.0100, +0.0100]")
+
+
 def test_a_note_when_the_timed_steps_are_not_whole_cycles():
     three = e2e.parse_args(["--variants", "learned", "learned+topology_sparse_merge", "learned+topology_compress_sparse",
                             "--new-tokens", "12", "--warmup", "2"])
