@@ -131,8 +131,9 @@ def fastest_at_learned_quality(single: List[Row], learned: Dict[Tuple[object, ..
                 or r.get("mean_kl") is None or base.get("mean_kl") is None):
             continue
         base_of = base
-        if closest is None or r["mean_kl"] < closest[0]["mean_kl"]:
-            closest = (r, base)
+        excess = r["mean_kl"] - base["mean_kl"]  # each against its own learned row (indexer, budget)
+        if closest is None or excess < closest[0]:
+            closest = (excess, r, base)
         if r["mean_kl"] <= base["mean_kl"]:
             speed = 1.0 / step_ratio(r, base)
             if best is None or speed > best[0]:
@@ -141,9 +142,9 @@ def fastest_at_learned_quality(single: List[Row], learned: Dict[Tuple[object, ..
         return _target(name, TARGET_CONTEXT, batch, None, None, None)
     if best is None:
         item = _target(name, TARGET_CONTEXT, batch, base_of.get("indexer_preset"), None, False)
-        r, base = closest
+        _, r, base = closest
         near = {"variant": r["variant"], "speed": 1.0 / step_ratio(r, base), "mean_kl": r["mean_kl"]}
-        item["detail"] = (f"no configuration {kind} has mean KL <= learned's ({base_of['mean_kl']:.4f}); the "
+        item["detail"] = (f"no configuration {kind} has mean KL <= learned's ({base['mean_kl']:.4f}); the "
                           f"closest: {_speed_and_kl(near, r, base)}")
         item["closest"] = near
         return item

@@ -346,6 +346,22 @@ def test_a_near_miss_prints_the_closest_configuration_with_its_kl_difference():
                            "learned's 0.0450; speed interval [1.250, 1.250]; KL difference +0.0100 [+0.0100, +0.0100]")
 
 
+def test_the_closest_is_judged_against_its_own_budgets_learned():
+    """A budget sweep: at W = 512 the shared row is 0.01 above its learned (0.06 vs 0.05), at
+    W = 1024 0.02 above (0.03 vs 0.01), though its KL there is the lower one: the closest is
+    the W = 512 row."""
+    rows = []
+    for budget, base_kl, kl in [(512, 0.05, 0.06), (1024, 0.01, 0.03)]:
+        rows += [{**row("learned", 8192, 1, 100.0, budget=budget), "mean_kl": base_kl},
+                 {**row("learned-shared:2+topology_sparse_merge", 8192, 1, 80.0, budget=budget), "mean_kl": kl}]
+    t = next(t for t in report.targets(rows) if t["target"].startswith("a configuration with structure")
+             and t["batch"] == 1)
+    assert t["passed"] is False
+    assert t["closest"]["mean_kl"] == pytest.approx(0.06)
+    assert t["detail"].startswith("no configuration with structure has mean KL <= learned's (0.0500); the closest: ")
+    assert "mean KL 0.0600 vs learned's 0.0500" in t["detail"]
+
+
 def test_a_note_when_the_timed_steps_are_not_whole_cycles():
     three = e2e.parse_args(["--variants", "learned", "learned+topology_sparse_merge", "learned+topology_compress_sparse",
                             "--new-tokens", "12", "--warmup", "2"])
