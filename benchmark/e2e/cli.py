@@ -9,7 +9,8 @@ this file is the command line and keeps the names other code imports.
 
 Per variant, context and batch: step time (median, p90) split into indexer / policy /
 attention / rest of the model, tokens/s, modelled KV bytes read, top-1 agreement and mean
-KL against dense, peak memory, and one line with the host page faults per step (pages the
+KL against dense (``--prompts N``: pooled over N prompts from across the novel, each
+prompt's KL listed), peak memory, and one line with the host page faults per step (pages the
 steps took fresh from the OS, which would put allocator cost into the timings). Targets
 (printed PASS/FAIL/NOT RUN, never asserted): at context 8192 ``topology_only_noscan`` >=
 1.3x dense at batch 8; each merge mode (``learned+topology_sparse_merge``,
@@ -23,6 +24,7 @@ at context 8192, batch 1.
 then sync-bounded (``benchmark/e2e/clock.py``) and the peak memory is the CUDA allocator's.
 
     python benchmark/topology_kv_decode_e2e.py --contexts 2048 --batches 1 8 --new-tokens 8 --json a.json
+    python benchmark/topology_kv_decode_e2e.py --contexts 8192 --batches 1 8 --prompts 4 --new-tokens 30
     python benchmark/topology_kv_decode_e2e.py --device cuda --contexts 8192 --batches 1 8 --json gpu.json
     python benchmark/topology_kv_decode_e2e.py --contexts 8192 --batches 1 8 --variants learned \
         learned-shared:profile learned-shared:profile+profile \
@@ -62,6 +64,7 @@ from benchmark.e2e.report import (  # noqa: F401
     format_host_faults,
     format_iso_quality,
     format_merged,
+    format_prompt_kl,
     format_table,
     format_targets,
     targets,
@@ -116,7 +119,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--indexer-heads", type=int, default=None, help="override the preset's indexer heads")
     p.add_argument("--indexer-dim", type=int, default=None, help="override the preset's indexer dim")
     p.add_argument("--num-layers", type=int, default=None, help="keep only the first layers (smoke runs)")
-    p.add_argument("--novel", default="prideprejudice", help="Austen novel the prompt comes from")
+    p.add_argument("--novel", default="prideprejudice", help="Austen novel the prompts come from")
+    p.add_argument("--prompts", type=int, default=1,
+                   help="prompts per run (default 1: the novel's start): N cut from evenly spaced offsets of the "
+                        "novel, each prefilled and decoded by every variant; a row pools their steps (timings, KL, "
+                        "agreement) and lists each prompt's mean KL (the KL verdict then rests on N texts, not one)")
     p.add_argument("--data-dir", default=None, help="cache folder for the text (default <repo>/data)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where the model, the KV pools and every step run (default cpu)")
@@ -148,6 +155,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--next-n: expected >= 0, got {args.next_n}")
     if not 0 <= args.length_spread < 1:
         p.error(f"--length-spread: expected 0 <= spread < 1, got {args.length_spread}")
+    if args.prompts < 1:
+        p.error(f"--prompts: expected >= 1, got {args.prompts}")
     if args.new_tokens < 1:
         p.error(f"--new-tokens: expected >= 1, got {args.new_tokens}")
     if not 0 <= args.warmup < args.new_tokens:
@@ -306,6 +315,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if result.get("iso_quality"):
         print()
         print(format_iso_quality(result["iso_quality"]))
+    per_prompt = format_prompt_kl(result["rows"])
+    if per_prompt:
+        print(f"\nmean KL to dense per prompt (--novel {args.novel}):\n")
+        print(per_prompt)
     print("\npolicy counters (every decode step, summed over layers; the metrics exporter's totals):\n")
     print(format_counter_table(result["rows"]))
     if args.json:

@@ -84,6 +84,12 @@ class MedianInterval:
         return {"point": self.point, "lo": self.lo, "hi": self.hi, "coverage": self.coverage, "n": self.n}
 
 
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-quantile of ``values`` (``0 < q <= 1``; at least one value)."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(math.ceil(q * len(s))) - 1))]
+
+
 def _binomial_cdf_half(n: int, k: int) -> float:
     """P(Binomial(n, 1/2) <= k)."""
     return sum(math.comb(n, j) for j in range(0, k + 1)) / 2.0**n

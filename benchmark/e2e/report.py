@@ -408,7 +408,7 @@ def merge_runs(payloads: Sequence[Tuple[str, Row]]) -> Row:
 
 
 # Flags whose default a reconstructed command leaves out (the command line's defaults).
-OMITTED_DEFAULTS = {"next_n": 0, "length_spread": 1 / 16, "novel": "prideprejudice", "device": "cpu"}
+OMITTED_DEFAULTS = {"prompts": 1, "next_n": 0, "length_spread": 1 / 16, "novel": "prideprejudice", "device": "cpu"}
 
 
 def command_of(settings: Row) -> str:
@@ -421,7 +421,7 @@ def command_of(settings: Row) -> str:
     if variants is not None and list(variants) != list(VARIANTS):
         argv.append("--variants " + " ".join(variants))
     for key in ("next_n", "new_tokens", "warmup", "budget", "indexer_preset", "indexer_heads", "indexer_dim",
-                "num_layers", "length_spread", "model", "novel", "device", "threads"):
+                "num_layers", "length_spread", "model", "novel", "prompts", "device", "threads"):
         value = settings.get(key)
         if value is None or (key in OMITTED_DEFAULTS and value == OMITTED_DEFAULTS[key]):
             continue
@@ -432,6 +432,32 @@ def command_of(settings: Row) -> str:
 
 def _heads_dims(heads, dim) -> str:
     return f"{heads} head{'s' if heads != 1 else ''} x {dim} dims"
+
+
+def format_prompt_kl(rows: List[Row]) -> Optional[str]:
+    """Markdown: each row's mean KL to dense per prompt (``prompt_kl``), the pooled mean and the
+    largest prompt's share of the prompts' sum, under a line giving each context's prompt
+    offsets; None when no row pools more than one prompt."""
+    pooled = [r for r in rows if len(r.get("prompt_kl") or ()) > 1 and r["variant"] != "dense"]
+    if not pooled:
+        return None
+    n = max(len(r["prompt_kl"]) for r in pooled)
+    starts = {}
+    for r in pooled:
+        starts.setdefault(r["context"], r["prompt_offsets"])
+    lines = ["prompt offsets (tokens into the novel): " + "; ".join(f"context {c}: {', '.join(map(str, o))}"
+                                                 for c, o in sorted(starts.items())), "",
+             "| context | B | W | variant | " + " | ".join(f"prompt {i + 1}" for i in range(n))
+             + " | pooled | largest share |",
+             "|---|---|---|---|" + "---|" * (n + 2)]
+    for r in pooled:
+        kls = r["prompt_kl"]
+        total = sum(kls)
+        share = f"{max(kls) / total:.0%}" if total > 0 else "-"
+        cells = " | ".join([f"{k:.4f}" for k in kls] + [""] * (n - len(kls)))
+        lines.append(f"| {r['context']} | {r['batch']} | {r['budget']} | {r['variant']} | {cells} | "
+                     f"{r['mean_kl']:.4f} | {share} |")
+    return "\n".join(lines)
 
 
 def format_host_faults(rows: List[Row]) -> Optional[str]:
@@ -458,7 +484,7 @@ def machine_of(env: Row) -> str:
 
 def format_merged(merged: Row, plot_name: Optional[str] = PLOT_NAME) -> str:
     """Markdown of merged runs: one line per run (command, proxy indexer, machine), the
-    tables, the targets, the plot."""
+    tables, the targets, each prompt's KL where runs pooled several, the plot."""
     lines = ["## End-to-end decode step", "", "Runs:", ""]
     for run in merged["runs"]:
         ind, env = run["indexer"], run.get("environment") or {}
@@ -468,6 +494,9 @@ def format_merged(merged: Row, plot_name: Optional[str] = PLOT_NAME) -> str:
     lines += ["", format_table(merged["rows"]), "", "```", format_targets(merged["targets"]), "```"]
     if merged.get("iso_quality"):
         lines += ["", format_iso_quality(merged["iso_quality"])]
+    per_prompt = format_prompt_kl(merged["rows"])
+    if per_prompt:
+        lines += ["", "Mean KL to dense per prompt:", "", per_prompt]
     if plot_name:
         lines += ["", f"![step time vs batch]({plot_name})", "", f"![step time vs KL]({PARETO_NAME})"]
     return "\n".join(lines) + "\n"

@@ -18,12 +18,11 @@ boundary (:mod:`benchmark.e2e.clock`) and the memory is the allocator's peak. Th
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import statistics
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,7 +38,9 @@ from benchmark.e2e.indexers import (
 )
 from benchmark.e2e.layout import request_lengths
 from benchmark.e2e.memory import memory_counter
+from benchmark.e2e.paired import nearest_rank
 from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY, sum_totals
+from benchmark.e2e.prompts import pool_prompts, prompt_offsets
 from benchmark.e2e.report import iso_quality, targets
 
 
@@ -49,11 +50,6 @@ def kv_bytes_per_step(step: Dict[str, float], Hkv: int, D: int) -> int:
     key width)."""
     return int((step["sparse_attended_tokens"] + step["dense_read_tokens"]) * Hkv * D * 8 + step["scanned_key_bytes"])
 
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, int(math.ceil(q * len(s))) - 1))]
 
 
 def summarize(variant: str, run: BatchRun, rec: Dict[str, list], Hkv: int, D: int, warmup: int,
@@ -90,7 +86,7 @@ def summarize(variant: str, run: BatchRun, rec: Dict[str, list], Hkv: int, D: in
         "steps": len(steps),
         "step_ms_median": med,
         "step_ms": totals,  # per timed step, in decode order (steps of every variant interleave)
-        "step_ms_p90": _pct(totals, 0.9),
+        "step_ms_p90": nearest_rank(totals, 0.9),
         "tokens_per_s": rows_per_step * 1e3 / med,
         "kv_bytes_per_step": statistics.median(kv_bytes_per_step(s, Hkv, D) for s in steps),
         "top1_agreement": sum(top1) / len(top1),
@@ -139,19 +135,27 @@ def use_decode_attention(model) -> None:
     install_hidden_capture(model, PLAN_KWARG)  # the trained indexer reads the attention's input
 
 
-def prompt_tokens(loaded, novel: str, context: int, data_dir) -> List[int]:
+def prompt_windows(loaded, novel: str, length: int, data_dir, prompts: int = 1) -> List[Tuple[int, List[int]]]:
+    """``[(token offset, length tokens), ...]``: one prompt from the novel's start, or
+    ``prompts`` from evenly spaced offsets (:func:`~benchmark.e2e.prompts.prompt_offsets`);
+    ``SystemExit`` naming the flag when the novel is too short."""
     from benchmark.quality.paths import default_data_dir, user_path
     from benchmark.quality.text import ensure_austen_text
 
     corpus = ensure_austen_text(default_data_dir() if data_dir is None else user_path(data_dir))
     if novel not in corpus.texts:
         raise SystemExit(f"--novel: expected one of {sorted(corpus.texts)}, got {novel!r}")
-    ids = loaded.tokenizer(corpus.texts[novel][: context * 8], add_special_tokens=False)["input_ids"]
-    if len(ids) < context:
+    ids = []
+    if prompts == 1:  # the start alone: tokenize a prefix that is long enough, not the whole novel
+        ids = loaded.tokenizer(corpus.texts[novel][: length * 8], add_special_tokens=False)["input_ids"]
+    if len(ids) < length:
         ids = loaded.tokenizer(corpus.texts[novel], add_special_tokens=False)["input_ids"]
-    if len(ids) < context:
-        raise SystemExit(f"--contexts: {novel} has {len(ids)} tokens, fewer than {context}")
-    return ids[:context]
+    try:
+        offsets = prompt_offsets(len(ids), length, prompts)
+    except ValueError as err:
+        flag = "--contexts" if len(ids) < length else "--prompts"
+        raise SystemExit(f"{flag}: {novel}: {err}") from None
+    return [(o, list(ids[o : o + length])) for o in offsets]
 
 
 def run_one(model, text: Sequence[int], context_lens: Sequence[int], variants: Sequence[str], steps: int,
@@ -206,26 +210,35 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
     from benchmark.progress import progress_bar
 
     configs = [(c, b, w) for c in args.contexts for b in args.batches for w in args.budget]
-    total = len(configs) * args.new_tokens
+    prompts = getattr(args, "prompts", 1)
+    total = len(configs) * args.new_tokens * prompts
     bar = progress_bar(total, "decode e2e steps", "step", not args.no_progress)
     rows: List[Dict[str, object]] = []
     T = args.next_n + 1
-    prefilled = None
-    for context, batch, width in configs:
-        text = prompt_tokens(loaded, args.novel, context + (args.new_tokens * T if args.next_n else 0),
-                             args.data_dir)
-        lens = request_lengths(context, batch, args.length_spread)
-        if prefilled is None or prefilled[0] != context:  # one prefill per context, shared by the batches
-            want = sorted({c - 1 for b in args.batches for c in request_lengths(context, b, args.length_spread)})
-            prefilled = (context, (*prefill_text(model, text[:context], want), want))
+    for context in args.contexts:
+        windows = prompt_windows(loaded, args.novel, context + (args.new_tokens * T if args.next_n else 0),
+                                 args.data_dir, prompts)
+        # one prefill per (context, prompt), shared by the batches and budgets
+        want = sorted({c - 1 for b in args.batches for c in request_lengths(context, b, args.length_spread)})
+        per_config: Dict[Tuple[int, int], List[Tuple[int, List[Dict[str, object]]]]] = {}
+        for p, (offset, text) in enumerate(windows):
+            prefilled = (*prefill_text(model, text[:context], want), want)
+            for batch in args.batches:
+                for width in args.budget:
+                    def on_step(i, context=context, batch=batch, width=width, p=p):
+                        bar.update(1)
+                        bar.set_postfix_str(f"context {context} batch {batch} W {width}"
+                                            + (f" prompt {p + 1}/{prompts}" if prompts > 1 else ""))
 
-        def on_step(i, context=context, batch=batch, width=width):
-            bar.update(1)
-            bar.set_postfix_str(f"context {context} batch {batch} W {width}")
-
-        rows += run_one(model, text, lens, args.variants, args.new_tokens, args.next_n, width, shape,
-                        args.warmup, on_step, log, prefilled[1], trained, profile,
-                        getattr(args, "mode_settings", None))
+                    lens = request_lengths(context, batch, args.length_spread)
+                    got = run_one(model, text, lens, args.variants, args.new_tokens, args.next_n, width, shape,
+                                  args.warmup, on_step, log, prefilled, trained, profile,
+                                  getattr(args, "mode_settings", None))
+                    per_config.setdefault((batch, width), []).append((offset, got))
+            del prefilled
+        for batch in args.batches:
+            for width in args.budget:
+                rows += pool_prompts(per_config[(batch, width)])
     bar.close()
     return {
         "environment": environment(device),
