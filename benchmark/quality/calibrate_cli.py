@@ -39,7 +39,7 @@ from benchmark.quality.cli import _int_list, limit_heap_fragmentation, parse_bud
 from benchmark.quality.scan_choice import format_scanning, rescan_profile
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.paths import default_data_dir, user_path
-from benchmark.quality.text import NOVELS, ensure_austen_text, load_text_file, sample_windows
+from benchmark.quality.text import NOVELS, ensure_austen_text, load_text_file, parse_novels, sample_windows_from_each
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import SERVED_WITNESS_SIGNALS, WitnessSignal
 
 DEFAULT_CONTEXTS = (2048,)
@@ -60,9 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (smoke runs; "
                    "the profile then fits only that truncated model)")
     p.add_argument("--text", default=None, metavar="FILE", help="UTF-8 calibration text (default: an Austen novel)")
-    p.add_argument("--novel", default="prideprejudice", choices=NOVELS)
+    p.add_argument("--novel", default="prideprejudice",
+                   help=f"an Austen novel, or a comma list of them (windows per context from each, so a "
+                        f"calibration reads several texts), from {list(NOVELS)} (default %(default)s)")
     p.add_argument("--data-dir", default=None, help="cache for the Austen text (default: <repo>/data)")
-    p.add_argument("--windows", type=int, default=DEFAULT_WINDOWS, help=f"windows per context (default {DEFAULT_WINDOWS})")
+    p.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
+                   help=f"windows per context (per novel of a --novel list; default {DEFAULT_WINDOWS})")
     p.add_argument("--window-seed", type=int, default=0)
     p.add_argument("--contexts", default=None, help="comma list of context lengths (default 2048)")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help="comma list of W / context (default %(default)s)")
@@ -160,6 +163,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     sink_options = _int_list(args.sink_options, "--sink-options", minimum=0)
     if args.windows < 1:
         raise UsageError(f"--windows: expected >= 1, got {args.windows}")
+    novels = parse_novels(args.novel)
     for flag, values in (("--budgets", budgets), ("--shares", shares)):
         if not values:
             raise UsageError(f"{flag}: expected at least one value such as 1/16, got {shown(getattr(args, flag[2:]))}")
@@ -214,10 +218,15 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     limit_heap_fragmentation()
     if args.text is not None:
         source_text, source = load_text_file(user_path(args.text))
-        text = {"name": user_path(args.text).name, "sha256": source["sha256"]}
+        texts = [(user_path(args.text).name, source_text)]
+        text = {"name": texts[0][0], "sha256": source["sha256"]}
     else:
-        source_text = ensure_austen_text(user_path(args.data_dir) if args.data_dir else default_data_dir()).texts[args.novel]
-        text = {"name": args.novel, "sha256": hashlib.sha256(source_text.encode("utf-8")).hexdigest()}
+        corpus = ensure_austen_text(user_path(args.data_dir) if args.data_dir else default_data_dir())
+        texts = [(n, corpus.texts[n]) for n in novels]
+        digest = hashlib.sha256()
+        for _, body in texts:  # one novel: the sha256 of its text; several: of their texts in turn
+            digest.update(body.encode("utf-8"))
+        text = {"name": "+".join(novels), "sha256": digest.hexdigest()}
     t0 = time.perf_counter()
     lm = load_gguf_model(user_path(args.model) if args.model else None, num_layers=args.num_layers)
     if not lm.full_attention_layers:
@@ -227,8 +236,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             settings = dataclasses.replace(settings, scan=resolve_scan(scan, len(lm.full_attention_layers)))
         except ValueError as exc:
             raise UsageError(f"--scan: {exc}") from None
-    token_ids = lm.tokenizer(source_text, add_special_tokens=False).input_ids
-    windows = {c: sample_windows(token_ids, text["name"], c, args.windows, args.window_seed) for c in contexts}
+    sources = [(name, lm.tokenizer(body, add_special_tokens=False).input_ids) for name, body in texts]
+    windows = {c: sample_windows_from_each(sources, c, args.windows, args.window_seed) for c in contexts}
     print(f"model {lm.gguf_path.name}: {lm.model.config.num_hidden_layers} layers, full attention "
           f"{list(lm.full_attention_layers)}; {len(settings.candidates())} candidates per layer and budget; "
           f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -198,6 +198,29 @@ def load_text_file(path: Path) -> Tuple[str, Dict[str, str]]:
     return text, source
 
 
+def parse_novels(value: str, flag: str = "--novel") -> Tuple[str, ...]:
+    """``"emma"`` or a comma list ``"emma,persuasion"`` -> the novels in that order.
+
+    Raises UsageError naming ``flag`` for an empty list, an unknown name or a repeated one."""
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    if not names:
+        raise UsageError(f"{flag}: expected a novel or a comma list of them from {list(NOVELS)}, got {value!r}")
+    unknown = [n for n in names if n not in NOVELS]
+    if unknown:
+        raise UsageError(f"{flag}: expected novels from {list(NOVELS)}, got {unknown}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise UsageError(f"{flag}: expected each novel once, got {repeated} more than once")
+    return names
+
+
+def sample_windows_from_each(sources: Sequence[Tuple[str, Sequence[int]]], context: int, count: int,
+                             seed: int) -> List[TextWindow]:
+    """:func:`sample_windows` of each ``(novel, token ids)`` in turn, ``count`` windows from each
+    (the same ``seed`` for every one): a calibration over several texts weighs each alike."""
+    return [w for name, ids in sources for w in sample_windows(ids, name, context, count, seed)]
+
+
 def sample_windows(token_ids: Sequence[int], novel: str, context: int, count: int, seed: int) -> List[TextWindow]:
     """``count`` windows of ``context`` tokens, deterministic in ``seed``.
 

@@ -195,6 +195,8 @@ def test_cli_rejects_bad_flags_before_loading(capsys):
     assert topology_kv_calibrate.main(["--margin", "2"]) == 2
     assert "margin" in capsys.readouterr().err
     assert topology_kv_calibrate.main(["--budgets", "3/2"]) == 2
+    assert topology_kv_calibrate.main(["--novel", "emma,nope"]) == 2
+    assert "--novel: expected novels from" in capsys.readouterr().err
 
 
 def test_quality_cli_rejects_profile_flags_before_loading(tmp_path):

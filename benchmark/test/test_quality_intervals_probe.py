@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import math
 import random
+import re
 from fractions import Fraction
 
 import pytest
@@ -38,7 +39,7 @@ from benchmark.quality.selector_base import SelectorSettings
 from benchmark.quality.selectors import make_selector
 from benchmark.quality.sparse_attention import gather_sparse_attention, sparse_layer_attention
 from benchmark.quality.synthetic import synthetic_layer, synthetic_settings
-from benchmark.quality.text import TextWindow, load_text_file, sample_windows
+from benchmark.quality.text import TextWindow, load_text_file, parse_novels, sample_windows, sample_windows_from_each
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -88,6 +89,28 @@ def test_several_windows_are_spread_disjoint_and_deterministic():
     # A text too short for disjoint windows still gets distinct, sorted starts.
     short = sample_windows(list(range(1500)), "x", 1000, 3, seed=1)
     assert [w.token_start for w in short] == sorted({w.token_start for w in short})
+
+
+def test_windows_from_each_novel_of_a_list():
+    a, b = list(range(5000)), list(range(100_000, 103_000))
+    got = sample_windows_from_each([("emma", a), ("persuasion", b)], 1000, 2, seed=3)
+    assert [w.novel for w in got] == ["emma", "emma", "persuasion", "persuasion"]
+    assert got[:2] == sample_windows(a, "emma", 1000, 2, seed=3)
+    assert got[2:] == sample_windows(b, "persuasion", 1000, 2, seed=3)
+    assert all(w.token_ids[0] >= 100_000 for w in got[2:])  # cut from the second text
+    assert sample_windows_from_each([("emma", a)], 1000, 2, seed=3) == sample_windows(a, "emma", 1000, 2, seed=3)
+
+
+@pytest.mark.parametrize("value, words", [("emma,nope", "expected novels from"), ("emma,emma", "['emma'] more than once"),
+                                          (" , ", "expected a novel or a comma list")])
+def test_bad_novel_lists_name_the_flag(value, words):
+    with pytest.raises(UsageError, match=re.escape("--novel: ") + ".*" + re.escape(words)):
+        parse_novels(value)
+
+
+def test_novel_lists_keep_their_order():
+    assert parse_novels("prideprejudice") == ("prideprejudice",)
+    assert parse_novels("persuasion, emma") == ("persuasion", "emma")
 
 
 def test_default_run_has_several_windows():
