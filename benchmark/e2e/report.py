@@ -143,21 +143,21 @@ def fastest_at_learned_quality(single: List[Row], learned: Dict[Tuple[object, ..
     if best is None:
         item = _target(name, TARGET_CONTEXT, batch, base_of.get("indexer_preset"), None, False)
         _, r, base = closest
-        near = {"variant": r["variant"], "speed": 1.0 / step_ratio(r, base), "mean_kl": r["mean_kl"]}
-        item["detail"] = (f"no configuration {kind} has mean KL <= learned's ({base['mean_kl']:.4f}); the "
-                          f"closest: {_speed_and_kl(near, r, base)}")
+        near = {"variant": r["variant"], "mean_kl": r["mean_kl"]}
+        near["speed"], text = _speed_and_kl(near, r, base)
+        item["detail"] = f"no configuration {kind} has mean KL <= learned's ({base['mean_kl']:.4f}); the closest: {text}"
         item["closest"] = near
         return item
     speed, r, base = best
     item = _target(name, TARGET_CONTEXT, batch, r.get("indexer_preset"), speed, speed >= SHARED_MIN_SPEEDUP)
-    item["detail"] = _speed_and_kl(item, r, base)
+    _, item["detail"] = _speed_and_kl(item, r, base)
     return item
 
 
-def _speed_and_kl(into: Row, r: Row, base: Row) -> str:
-    """``r``'s speed relative to ``base`` (paired), both mean KLs and, where the rows carry
-    per-step values, the speed's interval and the paired KL difference; the intervals are
-    also stored in ``into`` (``interval``, ``kl_difference``)."""
+def _speed_and_kl(into: Row, r: Row, base: Row) -> Tuple[float, str]:
+    """``(speed, text)``: ``r``'s speed relative to ``base`` (paired), and a line with it, both
+    mean KLs and, where the rows carry per-step values, the speed's interval and the paired
+    KL difference; the intervals are also stored in ``into`` (``interval``, ``kl_difference``)."""
     speed = 1.0 / step_ratio(r, base)
     text = (f"{r['variant']} {speed:.3f}x learned's step (paired), mean KL {r['mean_kl']:.4f} vs "
             f"learned's {base['mean_kl']:.4f}")
@@ -170,7 +170,7 @@ def _speed_and_kl(into: Row, r: Row, base: Row) -> str:
     if kl is not None:
         into["kl_difference"] = kl.to_json()
         text += f"; KL difference {kl.describe()}"
-    return text
+    return speed, text
 
 
 ISO_REFERENCE = 8  # learned at W = context / 8: the reference of the iso-quality budgets
