@@ -14,8 +14,9 @@ Modules, one concern each (imports run downwards):
     memory     a step's transient peak memory (host, or the CUDA allocator's); host page faults per step
     attention  the registered attention hook and its per-forward ``StepPlan``
     paired     the balanced variant order per step; intervals of the paired step ratio and KL difference
+               (the KL bootstrap drawn within each prompt)
     prompts    the prompts' offsets in the novel; one row pooled over the prompts
-    report     the targets, markdown tables, the step-vs-batch plot, merged runs
+    report     the targets, markdown tables (each variant paired with `learned`), the plots, merged runs
     decode     prefill, the batch's layout for every variant, interleaved decode steps
     runner     one run over (context, batch): summary rows with every measured field
 """

@@ -61,12 +61,15 @@ from benchmark.e2e.indexers import (  # noqa: F401
 from benchmark.e2e.layout import Layout, request_lengths, rows_to_slots, slots_of  # noqa: F401
 from benchmark.e2e.policy_counters import format_counter_table  # noqa: F401
 from benchmark.e2e.report import (  # noqa: F401
+    PAIRED_HEADING,
     format_host_faults,
     format_iso_quality,
     format_merged,
+    format_paired,
     format_prompt_kl,
     format_table,
     format_targets,
+    paired_with_learned,
     targets,
     write_merged,
 )
@@ -315,6 +318,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if result.get("iso_quality"):
         print()
         print(format_iso_quality(result["iso_quality"]))
+    paired = format_paired(result["paired"])
+    if paired:
+        print(f"\n{PAIRED_HEADING}\n")
+        print(paired)
     per_prompt = format_prompt_kl(result["rows"])
     if per_prompt:
         print(f"\nmean KL to dense per prompt (--novel {args.novel}):\n")

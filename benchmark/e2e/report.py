@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from benchmark.e2e.attention import PARTS
 from benchmark.e2e.indexers import VARIANTS, has_structure
-from benchmark.e2e.paired import mean_difference_interval, paired_step_ratio
+from benchmark.e2e.paired import mean_difference_interval, paired_step_ratio, strata_of
 
 # The end-to-end targets, printed PASS / FAIL / NOT RUN and never asserted (a shared 2-core
 # machine's timings are a measurement, not a test).
@@ -30,6 +30,8 @@ MARKDOWN_COLUMNS = ("context", "B", "rows", "variant", "ms/step (p90)", "tok/s",
                     "indexer / policy / attention / rest ms", "KV read", "top-1 agree", "mean KL", "peak MiB")
 PLOT_NAME = "e2e_step_vs_batch.png"
 PARETO_NAME = "e2e_pareto.png"
+PAIRED_HEADING = ("Paired against learned (the same rounds; speed: the inverted median step ratio with its sign-test "
+                  "interval; KL difference: the mean over steps with a bootstrap interval, drawn within each prompt):")
 
 Row = Dict[str, object]
 
@@ -157,7 +159,8 @@ def fastest_at_learned_quality(single: List[Row], learned: Dict[Tuple[object, ..
 def _speed_and_kl(into: Row, r: Row, base: Row) -> Tuple[float, str]:
     """``(speed, text)``: ``r``'s speed relative to ``base`` (paired), and a line with it, both
     mean KLs and, where the rows carry per-step values, the speed's interval and the paired
-    KL difference; the intervals are also stored in ``into`` (``interval``, ``kl_difference``)."""
+    KL difference (bootstrapped within each prompt when both rows pool the same prompts); the
+    intervals are also stored in ``into`` (``interval``, ``kl_difference``)."""
     speed = 1.0 / step_ratio(r, base)
     text = (f"{r['variant']} {speed:.3f}x learned's step (paired), mean KL {r['mean_kl']:.4f} vs "
             f"learned's {base['mean_kl']:.4f}")
@@ -166,7 +169,9 @@ def _speed_and_kl(into: Row, r: Row, base: Row) -> Tuple[float, str]:
         into["interval"] = {"point": speed, "lo": 1.0 / ratio.hi, "hi": 1.0 / ratio.lo, "coverage": ratio.coverage,
                             "n": ratio.n}
         text += f"; speed interval [{1.0 / ratio.hi:.3f}, {1.0 / ratio.lo:.3f}]"
-    kl = mean_difference_interval(r.get("step_kl"), base.get("step_kl"))
+    strata = strata_of(r)
+    kl = mean_difference_interval(r.get("step_kl"), base.get("step_kl"),
+                                  strata=strata if strata == strata_of(base) else None)
     if kl is not None:
         into["kl_difference"] = kl.to_json()
         text += f"; KL difference {kl.describe()}"
@@ -383,7 +388,8 @@ def row_identity(row: Row) -> Tuple[object, ...]:
 
 
 def merge_runs(payloads: Sequence[Tuple[str, Row]]) -> Row:
-    """``[(source name, a --json payload), ...]`` -> ``{"runs", "rows", "targets"}``.
+    """``[(source name, a --json payload), ...]`` -> ``{"runs", "rows", "targets", "iso_quality",
+    "paired"}``.
 
     Rows keep every field (ratios stay those of their own run, where dense ran beside
     them) plus ``source``. Raises ValueError for a payload without rows, or a row (same
@@ -404,7 +410,8 @@ def merge_runs(payloads: Sequence[Tuple[str, Row]]) -> Row:
                                  "configurations")
             seen[ident] = source
             rows.append({**r, "source": source})
-    return {"runs": runs, "rows": rows, "targets": targets(rows), "iso_quality": iso_quality(rows)}
+    return {"runs": runs, "rows": rows, "targets": targets(rows), "iso_quality": iso_quality(rows),
+            "paired": paired_with_learned(rows)}
 
 
 # Flags whose default a reconstructed command leaves out (the command line's defaults).
@@ -460,6 +467,46 @@ def format_prompt_kl(rows: List[Row]) -> Optional[str]:
     return "\n".join(lines)
 
 
+def paired_with_learned(rows: List[Row]) -> List[Row]:
+    """Every one-row-per-request variant but ``dense`` and ``learned`` against the ``learned``
+    row of its indexer, budget, context and batch (decoded in the same rounds): ``speed`` (the
+    inverted paired step ratio, :func:`step_ratio`) with its ``interval``, both mean KLs and
+    ``kl_difference`` with its bootstrap interval (:func:`_speed_and_kl`; within each prompt
+    when the rows pool several), both top-1 agreements. Rows without a ``learned`` beside them
+    are left out."""
+    single = [r for r in rows if r["rows_per_request"] == 1]
+    learned = {run_key(r) + (r["context"], r["batch"]): r for r in single if r["variant"] == "learned"}
+    out = []
+    for r in single:
+        base = learned.get(run_key(r) + (r["context"], r["batch"]))
+        if r["variant"] in ("dense", "learned") or base is None or r.get("mean_kl") is None:
+            continue
+        entry = {"variant": r["variant"], "context": r["context"], "batch": r["batch"], "budget": r["budget"],
+                 "mean_kl": r["mean_kl"], "learned_mean_kl": base["mean_kl"],
+                 "top1_agreement": r.get("top1_agreement"), "learned_top1_agreement": base.get("top1_agreement")}
+        entry["speed"], _ = _speed_and_kl(entry, r, base)
+        out.append(entry)
+    return out
+
+
+def format_paired(entries: List[Row]) -> Optional[str]:
+    """Markdown of :func:`paired_with_learned`; None when there is nothing to pair."""
+    if not entries:
+        return None
+    lines = ["| context | B | W | variant | speed vs learned [95%] | mean KL (learned's) | KL difference [95%] "
+             "| top-1 agree (learned's) |", "|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        iv = e.get("interval")
+        speed = f"{e['speed']:.3f}x" + (f" [{iv['lo']:.3f}, {iv['hi']:.3f}]" if iv else "")
+        kl = e.get("kl_difference")
+        diff = f"{kl['point']:+.4f} [{kl['lo']:+.4f}, {kl['hi']:+.4f}]" if kl else "-"
+        top1 = ("-" if e["top1_agreement"] is None or e["learned_top1_agreement"] is None
+                else f"{e['top1_agreement']:.3f} ({e['learned_top1_agreement']:.3f})")
+        lines.append(f"| {e['context']} | {e['batch']} | {e['budget']} | {e['variant']} | {speed} | "
+                     f"{e['mean_kl']:.4f} ({e['learned_mean_kl']:.4f}) | {diff} | {top1} |")
+    return "\n".join(lines)
+
+
 def format_host_faults(rows: List[Row]) -> Optional[str]:
     """One line: the range over rows of the mean host minor page faults per timed step, as
     pages and MiB at 4 KiB a fault (a lower bound where transparent huge pages map more per
@@ -494,6 +541,9 @@ def format_merged(merged: Row, plot_name: Optional[str] = PLOT_NAME) -> str:
     lines += ["", format_table(merged["rows"]), "", "```", format_targets(merged["targets"]), "```"]
     if merged.get("iso_quality"):
         lines += ["", format_iso_quality(merged["iso_quality"])]
+    paired = format_paired(merged.get("paired") or paired_with_learned(merged["rows"]))
+    if paired:
+        lines += ["", PAIRED_HEADING, "", paired]
     per_prompt = format_prompt_kl(merged["rows"])
     if per_prompt:
         lines += ["", "Mean KL to dense per prompt:", "", per_prompt]

@@ -41,7 +41,7 @@ from benchmark.e2e.memory import memory_counter
 from benchmark.e2e.paired import nearest_rank
 from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY, sum_totals
 from benchmark.e2e.prompts import pool_prompts, prompt_offsets
-from benchmark.e2e.report import iso_quality, targets
+from benchmark.e2e.report import iso_quality, paired_with_learned, targets
 
 
 def kv_bytes_per_step(step: Dict[str, float], Hkv: int, D: int) -> int:
@@ -253,6 +253,7 @@ def run(args: argparse.Namespace, log=None) -> Dict[str, object]:
         "rows": rows,
         "targets": targets(rows),
         "iso_quality": iso_quality(rows),
+        "paired": paired_with_learned(rows),
     }
 
 

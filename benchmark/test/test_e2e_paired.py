@@ -77,6 +77,52 @@ def test_the_kl_difference_interval():
     assert iv.describe() == f"+0.0158 [{iv.lo:+.4f}, {iv.hi:+.4f}]"
 
 
+def test_one_stratum_is_the_plain_bootstrap():
+    a, b = [0.030, 0.020, 0.025, 0.035, 0.01], [0.010, 0.010, 0.012, 0.015, 0.02]
+    assert paired.mean_difference_interval(a, b, strata=[5]) == paired.mean_difference_interval(a, b)
+
+
+def test_strata_drop_the_spread_between_prompts_by_hand():
+    """Two prompts whose steps differ by a constant each (0.01 and 0.03): every stratified
+    replicate averages two 0.01s and two 0.03s, so the interval is the point; drawing across
+    the prompts gives replicates from 0.01 to 0.03."""
+    a, b = [0.02, 0.03, 0.05, 0.07], [0.01, 0.02, 0.02, 0.04]
+    plain = paired.mean_difference_interval(a, b)
+    strat = paired.mean_difference_interval(a, b, strata=[2, 2])
+    assert strat.point == pytest.approx(0.02) and plain.point == pytest.approx(0.02)
+    assert strat.lo == pytest.approx(0.02) and strat.hi == pytest.approx(0.02)
+    assert plain.lo < 0.02 - 1e-3 and plain.hi > 0.02 + 1e-3
+
+
+def test_bad_strata_name_the_argument():
+    with pytest.raises(ValueError, match=r"strata: expected positive sizes summing to 3 units, got \[2, 2\]"):
+        paired.mean_difference_interval([1.0, 2.0, 3.0], [0.0, 0.0, 0.0], strata=[2, 2])
+    with pytest.raises(ValueError, match=r"strata: .*got \[3, 0\]"):
+        paired.mean_difference_interval([1.0, 2.0, 3.0], [0.0, 0.0, 0.0], strata=[3, 0])
+
+
+@given(st.lists(st.lists(st.floats(min_value=-1.0, max_value=1.0), min_size=1, max_size=6), min_size=1, max_size=5))
+@settings(max_examples=40, deadline=None)
+def test_a_stratified_interval_stays_within_what_the_strata_allow(groups):
+    """Every replicate weighs each prompt by its size, so it lies between the size-weighted
+    means of the prompts' smallest and largest differences; the point is the plain mean."""
+    d = [x for g in groups for x in g]
+    zeros = [0.0] * len(d)
+    iv = paired.mean_difference_interval(d, zeros, strata=[len(g) for g in groups], samples=200)
+    low = sum(min(g) * len(g) for g in groups) / len(d)
+    high = sum(max(g) * len(g) for g in groups) / len(d)
+    assert iv.point == pytest.approx(sum(d) / len(d))
+    assert low - 1e-9 <= iv.lo <= iv.point <= iv.hi <= high + 1e-9
+
+
+def test_the_strata_of_a_row():
+    assert paired.strata_of({"prompt_offsets": [0, 9, 18, 27], "step_kl": [0.0] * 8}) == [2, 2, 2, 2]
+    assert paired.strata_of({"prompt_offsets": [0], "step_kl": [0.0] * 8}) is None  # one prompt
+    assert paired.strata_of({"step_kl": [0.0] * 8}) is None  # a row from before --prompts
+    assert paired.strata_of({"prompt_offsets": [0, 9, 18], "step_kl": [0.0] * 8}) is None  # uneven
+    assert paired.strata_of({"prompt_offsets": [0, 9], "step_kl": []}) is None
+
+
 def test_bad_levels_and_empty_values_name_the_argument():
     with pytest.raises(ValueError, match=r"level: expected 0 < level < 1, got 1.0"):
         paired.median_interval([1.0], level=1.0)

@@ -13,7 +13,8 @@ from benchmark.e2e import cli as e2e
 from benchmark.e2e import prompts, runner
 from benchmark.e2e.paired import mean_difference_interval, paired_step_ratio
 from benchmark.e2e.policy_counters import KEY as COUNTERS_KEY
-from benchmark.e2e.report import command_of, format_merged, format_prompt_kl, merge_runs
+from benchmark.e2e.report import (PAIRED_HEADING, _speed_and_kl, command_of, format_merged, format_paired,
+                                  format_prompt_kl, merge_runs, paired_with_learned)
 
 
 def test_the_offsets_by_hand():
@@ -112,6 +113,48 @@ def test_pooled_rows_stay_paired_round_by_round():
     assert pooled[1]["speedup_vs_dense"] == pytest.approx(15.0 / 7.5)
     diff = mean_difference_interval(pooled[1]["step_kl"], pooled[2]["step_kl"])
     assert diff.point == pytest.approx((0.01 + 0.03 + 0.01 - 0.01) / 4)
+
+
+def test_the_report_bootstraps_the_kl_difference_within_each_prompt():
+    """x's steps are 0.01 above learned's in one prompt and 0.03 in the other: within each
+    prompt the difference is fixed, so the report's interval is the point (drawn across the
+    prompts it would not be)."""
+    dense = [_row("dense", [10.0] * 2, [0.0] * 2), _row("dense", [10.0] * 2, [0.0] * 2)]
+    learned = [_row("learned", [5.0] * 2, [0.01, 0.02]), _row("learned", [5.0] * 2, [0.02, 0.04])]
+    x = [_row("x", [4.0] * 2, [0.02, 0.03]), _row("x", [4.0] * 2, [0.05, 0.07])]
+    pooled = prompts.pool_prompts([(0, [dense[0], learned[0], x[0]]), (900, [dense[1], learned[1], x[1]])])
+    into = {}
+    speed, text = _speed_and_kl(into, pooled[2], pooled[1])
+    assert speed == pytest.approx(1.25)
+    assert into["kl_difference"] == pytest.approx({"point": 0.02, "lo": 0.02, "hi": 0.02})
+    assert "KL difference +0.0200 [+0.0200, +0.0200]" in text
+    across = mean_difference_interval(pooled[2]["step_kl"], pooled[1]["step_kl"])
+    assert across.lo < 0.019 and across.hi > 0.021
+
+
+def test_every_variant_is_paired_with_the_learned_row_beside_it():
+    dense, learned = _row("dense", [10.0] * 4, [0.0] * 4), _row("learned", [5.0, 6.0, 5.0, 6.0], [0.01] * 4)
+    x = _row("learned-shared:2", [4.0, 4.0, 4.0, 4.0], [0.03] * 4)
+    lone = _row("learned-shared:4", [4.0] * 4, [0.02] * 4, batch=8)  # no learned at batch 8: left out
+    wide = dict(_row("learned+topology_sparse_merge", [4.0] * 4, [0.02] * 4), rows_per_request=4)  # beam rows: left out
+    before = copy.deepcopy([dense, learned, x, lone, wide])
+    got = paired_with_learned([dense, learned, x, lone, wide])
+    assert [dense, learned, x, lone, wide] == before
+    assert [e["variant"] for e in got] == ["learned-shared:2"]
+    e = got[0]
+    assert e["speed"] == pytest.approx(1.0 / ((4 / 5 + 4 / 6) / 2))  # the median of 4/5, 4/6, 4/5, 4/6, inverted
+    assert (e["mean_kl"], e["learned_mean_kl"]) == pytest.approx((0.03, 0.01))
+    assert e["kl_difference"] == pytest.approx({"point": 0.02, "lo": 0.02, "hi": 0.02})
+    assert (e["top1_agreement"], e["learned_top1_agreement"]) == pytest.approx((1 - 0.12, 1 - 0.04))
+    line = format_paired(got).splitlines()[2]
+    assert line == (f"| 8192 | 1 | 1024 | learned-shared:2 | {e['speed']:.3f}x [{e['interval']['lo']:.3f}, {e['interval']['hi']:.3f}] "
+                    "| 0.0300 (0.0100) | +0.0200 [+0.0200, +0.0200] | 0.880 (0.960) |")
+    assert format_paired([]) is None
+    merged = merge_runs([("a.json", {"rows": [dense, learned, x], "indexer": {
+        "preset": "trained", "heads": 1, "dim": 64, "ratio_to_attention": 0.1, "layer_shapes": {}},
+        "settings": {"contexts": [8192], "batches": [1]}})])
+    assert merged["paired"][0]["variant"] == "learned-shared:2"
+    assert PAIRED_HEADING in format_merged(merged, plot_name=None)
 
 
 def test_rows_that_do_not_pool_are_refused():
