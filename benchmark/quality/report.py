@@ -47,7 +47,9 @@ def markdown_report(
         f"Text: {settings['text']['novel']}"
         + (f" (file {settings['text']['file']}, sha256 {settings['text']['sha256']})"
            if settings['text'].get('file') else "")
-        + f", windows {settings['text']['windows']}. torch {settings['versions']['torch']}."
+        + f", windows {settings['text']['windows']}"
+        + (" per novel" if len(settings['text'].get('novels') or ()) > 1 else "")
+        + f". torch {settings['versions']['torch']}."
     )
     out += ["", "## Gate", ""]
     if verdicts:
@@ -130,7 +132,8 @@ def interval_table(grid: GridResult, selector_order: Sequence[str], settings: Di
     b = grid.bootstrap
     out = ["## Perplexity ratios with 95% intervals", "",
            f"Paired chunk bootstrap ({b.samples} replicates; resampling unit: {b.chunk} consecutive tokens "
-           f"of one window; {settings['text']['windows']} window(s) per context; docs/quality.md).", "",
+           f"of one window; {settings['text']['windows']} window(s) per context"
+           f"{' per novel' if len(settings['text'].get('novels') or ()) > 1 else ''}; docs/quality.md).", "",
            "| ctx | budget | selector | ppl / dense [95% CI] | ppl / learned [95% CI] |", "|---|---|---|---|---|"]
     for cell in sorted_cells(grid, selector_order):
         vd = grid.interval(cell.context, cell.budget, cell.selector)

@@ -92,6 +92,7 @@ BAD_FLAGS = [
     ("quality", ["--model", "{truncated}"], "--model"),
     ("quality", ["--threads", "-1"], "--threads"),
     ("quality", ["--num-layers", "0"], "--num-layers"),
+    ("quality", ["--novel", "emma,nosuch"], "--novel"),
     ("calibrate", ["--out-dir", "{file}"], "--out-dir"),
     ("calibrate", ["--out-dir", "{under_file}"], "--out-dir"),
     ("calibrate", ["--budgets", ","], "--budgets"),

