@@ -25,6 +25,7 @@ from rtp_llm.models_py.modules.hybrid.topology_kv.arg_checks import (
     check_tensor,
 )
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import DEFAULT_BLOCK_SIZE
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_witness
 
 
 def check_query_tables(query: torch.Tensor, tables, lengths, block_size, scale) -> None:
@@ -223,7 +224,31 @@ def tracker_query_group_mass_scores_unchecked(
     lengths: torch.Tensor,
     block_size: int,
 ) -> torch.Tensor:
-    """:func:`tracker_query_group_mass_scores` without validation (no host sync)."""
+    """:func:`tracker_query_group_mass_scores` without validation (no host sync).
+
+    CPU tensors with float32 sums and counts (a tracker's) run the C++ kernel
+    (:func:`~rtp_llm.models_py.modules.hybrid.topology_kv.kernels.cpu_witness.query_group_mass_cpu`:
+    one read of each row's request table, rows in parallel) when it builds; everything else
+    runs :func:`tracker_query_group_mass_scores_reference`. The two agree to fp32 rounding."""
+    if (queries.device.type == "cpu" and block_sums.dtype == torch.float32 and block_counts.dtype == torch.float32
+            and cpu_witness.can_use_witness_kernel(queries.device)):
+        return cpu_witness.query_group_mass_cpu(queries, block_sums, block_counts, row_to_request, lengths,
+                                                block_size)
+    return tracker_query_group_mass_scores_reference(queries, block_sums, block_counts, row_to_request, lengths,
+                                                     block_size)
+
+
+def tracker_query_group_mass_scores_reference(
+    queries: torch.Tensor,
+    block_sums: torch.Tensor,
+    block_counts: torch.Tensor,
+    row_to_request: torch.Tensor,
+    lengths: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """:func:`tracker_query_group_mass_scores` in torch ops, any device, without validation: the
+    specification the C++ kernel is tested against (a gathered ``[c, N, Hkv, D]`` table per
+    chunk of rows, an elementwise product and a masked softmax)."""
     R, _, D = queries.shape
     B, N, K = block_sums.shape
     Hkv = K // D
