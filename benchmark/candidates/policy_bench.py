@@ -27,6 +27,9 @@ After the policy grid, a small table times what the merge modes add to a decode 
 key write: the indexer-key store plus the drift tracker's update per layer call
 (``BlockDriftTracker.update``: one C++ call on CPU, two Triton launches on CUDA; beside
 ``update_reference``, its torch ops), for 1, 8 and 64 requests, interleaved (JSON key ``tracker_update``).
+A last table times the served ``query_group_mass`` witness scores per layer call (one C++
+call on CPU, beside their torch reference; SmolLM2's attention shape at 8-token blocks, 8k)
+with the bytes each call must read and the rate reached (JSON key ``witness_scores``).
 
 Input rows are synthetic but valid: ``W`` unique positions per row spread over ``[0, L)``
 in random order (the engine's top-k order is arbitrary), drift scores and learned scores
@@ -464,6 +467,53 @@ def time_tracker_update(device: torch.device, rounds: int, warmup: int, evict: C
     return out
 
 
+WITNESS_BATCHES = (1, 8, 64)  # decode rows per layer call (one row per request)
+
+
+def time_witness_scores(device: torch.device, rounds: int, warmup: int, evict: Callable[[], None],
+                        heads: int = 9, kv_heads: int = 3, head_dim: int = 64, context: int = 8192,
+                        block_size: int = 8) -> List[Dict[str, object]]:
+    """The served ``query_group_mass`` witness scores per layer call, interleaved:
+    ``tracker_query_group_mass_scores`` (one C++ call on CPU when it builds) beside
+    ``tracker_query_group_mass_scores_reference`` (torch ops), for decode batches of
+    :data:`WITNESS_BATCHES` requests, one row each, every row at ``context`` tokens.
+
+    The shape is SmolLM2-135M's attention (9 query heads over 3 KV heads of 64) at the
+    8-token blocks the shared-scan configurations serve; the tracker's table is a
+    ``[:, :N]`` view of ``[B, N + 1, Hkv D]`` fp32, as :class:`BlockDriftTracker` hands it.
+    ``table_mb``: the bytes of every row's request table, which a call must read once;
+    ``kernel_gbps``: that over the kernel's cold time (its distance from memory bandwidth).
+    """
+    from rtp_llm.models_py.modules.hybrid.topology_kv import witness
+    from rtp_llm.models_py.modules.hybrid.topology_kv.kernels import cpu_witness
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    blocks = context // block_size
+    K = kv_heads * head_dim
+    for B in WITNESS_BATCHES:
+        full = torch.randn(B, blocks + 1, K, generator=gen).to(device)
+        sums = full[:, :blocks]
+        counts = torch.full((B, blocks + 1), float(block_size), device=device)[:, :blocks]
+        queries = torch.randn(B, heads, head_dim, generator=gen).to(device)
+        rows = torch.arange(B, device=device)
+        lengths = torch.full((B,), context, device=device)
+        args = (queries, sums, counts, rows, lengths, block_size)
+        fns = {"served": lambda: witness.tracker_query_group_mass_scores_unchecked(*args),
+               "torch": lambda: witness.tracker_query_group_mass_scores_reference(*args)}
+        times, warm = time_interleaved(fns, device, max(rounds, 20), warmup, evict)
+        served_us, torch_us = (1e3 * statistics.median(times[k]) for k in ("served", "torch"))
+        served_warm, torch_warm = (1e3 * statistics.median(warm[k]) for k in ("served", "torch"))
+        kernel = "cpu" if device.type == "cpu" and cpu_witness.can_use_witness_kernel(device) else "torch"
+        table_mb = B * blocks * K * 4 / 1e6
+        out.append({"batch": B, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "context": context,
+                    "block_size": block_size, "kernel": kernel, "scores_us": served_us, "reference_us": torch_us,
+                    "speedup": torch_us / served_us, "scores_warm_us": served_warm,
+                    "reference_warm_us": torch_warm, "table_mb": table_mb,
+                    "kernel_gbps": table_mb * 1e-3 / (served_us * 1e-6)})
+    return out
+
+
 def _fmt(v) -> str:
     if v is None:
         return "n/a"
@@ -502,6 +552,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     for t in tracker:
         print(f"{t['batch']}\t{t['key_dim']}\t{t['kernel']}\t{t['update_us']:.1f}\t{t['reference_us']:.1f}\t"
               f"{t['speedup']:.1f}x\t{t['update_warm_us']:.1f}\t{t['reference_warm_us']:.1f}")
+    witness_scores = time_witness_scores(args.device, args.rounds, args.warmup, evict)
+    print("\nquery_group_mass witness scores per layer call (scores: what the Indexer runs, C++ on CPU; reference: "
+          "torch ops; SmolLM2's 9 over 3 heads of 64, 8-token blocks, 8k; cold, warm beside)")
+    print("batch\tkernel\tscores_us\treference_us\tspeedup\tscores_warm_us\treference_warm_us\ttable_MB\t"
+          "scores_GB/s")
+    for t in witness_scores:
+        print(f"{t['batch']}\t{t['kernel']}\t{t['scores_us']:.1f}\t{t['reference_us']:.1f}\t{t['speedup']:.1f}x\t"
+              f"{t['scores_warm_us']:.1f}\t{t['reference_warm_us']:.1f}\t{t['table_mb']:.2f}\t"
+              f"{t['kernel_gbps']:.1f}")
     if args.json:
         path = args.json
         if not os.path.isabs(path) and os.environ.get("BUILD_WORKING_DIRECTORY"):
@@ -510,7 +569,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         payload = {"environment": {**environment(args.device), "cache": {"timing": "cold (headline), warm beside",
                                                                           **evict.describe()}},
                    "args": {k: str(v) for k, v in vars(args).items()},
-                   "rows": results, "targets": checks, "tracker_update": tracker}
+                   "rows": results, "targets": checks, "tracker_update": tracker,
+                   "witness_scores": witness_scores}
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
     return 0

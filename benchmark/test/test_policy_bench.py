@@ -49,10 +49,20 @@ def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
     assert tail[0].startswith("key store + drift tracker update per layer call")
     assert tail[1].split("\t") == ["batch", "key_dim", "kernel", "update_us", "reference_us", "speedup",
                                    "update_warm_us", "reference_warm_us"]
-    assert [line.split("\t")[0] for line in tail[2:]] == [str(b) for b in bench.TRACKER_BATCHES]
+    n = len(bench.TRACKER_BATCHES)
+    assert [line.split("\t")[0] for line in tail[2:2 + n]] == [str(b) for b in bench.TRACKER_BATCHES]
     for t in payload["tracker_update"]:
         assert t["update_us"] > 0 and t["reference_us"] > 0 and t["update_warm_us"] > 0
         assert t["kernel"] == {"cpu": "cpu", "cuda": "triton"}[DEVICE]  # the device's fused kernel
+    witness = tail[2 + n + 1:]
+    assert witness[0].startswith("query_group_mass witness scores per layer call")
+    assert witness[1].split("\t") == ["batch", "kernel", "scores_us", "reference_us", "speedup", "scores_warm_us",
+                                       "reference_warm_us", "table_MB", "scores_GB/s"]
+    assert [line.split("\t")[0] for line in witness[2:]] == [str(b) for b in bench.WITNESS_BATCHES]
+    for t in payload["witness_scores"]:
+        assert t["scores_us"] > 0 and t["reference_us"] > 0 and t["scores_warm_us"] > 0
+        assert t["kernel"] == {"cpu": "cpu", "cuda": "torch"}[DEVICE]
+        assert t["table_mb"] == pytest.approx(t["batch"] * (8192 // 8) * 3 * 64 * 4 / 1e6)
 
 
 def _row(mode, backend, policy_ms, layer_ms=None, topk_ms=0.2, rows=1, seq_len=8192, scored=False):
