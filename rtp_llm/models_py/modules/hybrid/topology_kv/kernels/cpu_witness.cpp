@@ -97,8 +97,6 @@ torch::Tensor query_group_mass(const torch::Tensor& queries, const torch::Tensor
   TORCH_CHECK(counts.dim() == 2 && counts.size(0) == B && counts.size(1) == N && counts.scalar_type() == at::kFloat,
               "block_counts: expected float32 [", B, ", ", N, "], got ", counts.scalar_type(), " of shape ",
               counts.sizes());
-  TORCH_CHECK(counts.stride(1) == 1, "block_counts: expected unit stride along blocks, got strides ",
-              counts.strides());
   for (const auto* t : {&rows, &lengths}) {
     TORCH_CHECK(t->dim() == 1 && t->size(0) == R &&
                     (t->scalar_type() == at::kLong || t->scalar_type() == at::kInt),
@@ -126,7 +124,7 @@ torch::Tensor query_group_mass(const torch::Tensor& queries, const torch::Tensor
       const int64_t len = read_int(lengths, r);
       const int64_t n_blocks = std::min(N, (len + block_size - 1) / block_size);
       score_row(q + r * H * D, H, Hkv, D, s + b * sums.stride(0), sums.stride(1), sums.stride(2),
-                c + b * counts.stride(0), 1, n_blocks, N, o + r * N, qbar, logits, table);
+                c + b * counts.stride(0), counts.stride(1), n_blocks, N, o + r * N, qbar, logits, table);
     }
   });
   return out;

@@ -119,6 +119,7 @@ def test_the_cpu_kernel_matches_the_reference(R, B, N, groups, D, bs, strided, i
         sums, counts = full[:, :N], counts_full[:, :N]
     elif strided == "transposed":
         sums = sums.transpose(1, 2).contiguous().transpose(1, 2)  # unit stride along blocks, not along K
+        counts = counts.t().contiguous().t()  # stride B along blocks
     before = [t.clone() for t in (queries, sums, counts, rows, lengths)]
     args = (queries, sums, counts, rows.to(index_dtype), lengths.to(index_dtype), bs)
     got = cpu_witness.query_group_mass_cpu(*args)
