@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", default=None, metavar="FILE",
                    help="a calibrated per-layer profile (docs/profile.md, benchmark/topology_kv_calibrate.py): "
                         "adds the selector 'profile' (its policy with each layer's own structure) and gates it "
-                        "like a policy mode; refused if made for another model")
+                        "like a policy mode, unless a listed selector already runs the profile (profile:<mode>, "
+                        "learned-shared:profile, learned-shared:<scan>+profile); refused if made for another model")
     g.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
                    help=f"text windows per context, spread over the text (per novel of a --novel list; "
                         f"default {DEFAULT_WINDOWS})")
@@ -195,12 +196,11 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         profile_path = user_path(args.profile)
         if not is_file(profile_path):
             raise UsageError(f"--profile: no such file {profile_path}")
-        if not any(profile_selector_mode(s) is not None for s in selectors):
+        if not any(_reads_profile(s) for s in selectors):
             selectors = selectors + (PROFILE_SELECTOR,)
     else:
         for s in selectors:
-            shared = split_shared_name(s)
-            if profile_selector_mode(s) is not None or (shared is not None and shared.needs_profile):
+            if _reads_profile(s):
                 raise UsageError(f"--selectors: {s!r} needs --profile FILE")
     if args.windows < 1:
         raise UsageError(f"--windows: expected >= 1, got {args.windows}")
@@ -278,6 +278,14 @@ def resolve_args(args: argparse.Namespace) -> Dict[str, object]:
         "data_dir": user_path(args.data_dir) if args.data_dir else default_data_dir(),
         "out_dir": out_dir,
     }
+
+
+def _reads_profile(selector: str) -> bool:
+    """Whether ``selector`` runs the ``--profile``: ``profile``, ``profile:<mode>``, or a shared
+    selector with the profile's scanning set or entries (``learned-shared:profile[+...]``,
+    ``learned-shared:<scan>+profile``)."""
+    shared = split_shared_name(selector)
+    return profile_selector_mode(selector) is not None or (shared is not None and shared.needs_profile)
 
 
 def resolve_trained_indexer(flag: Optional[str], model_path: Optional[Path], selectors):

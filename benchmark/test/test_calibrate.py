@@ -216,6 +216,18 @@ def test_quality_cli_rejects_profile_flags_before_loading(tmp_path):
                               str(tmp_path / "p.json"), "--out-dir", str(tmp_path)]))
     assert cfg["selectors"] == ("learned", "profile:topology_compress_sparse")  # no plain "profile" added
     assert cfg["policy_modes"] == ("profile:topology_compress_sparse",)
+    # A shared selector that runs the profile (its scanning set, or its entries): no plain "profile" added.
+    for listed in ("learned,learned-shared:profile", "learned,learned-shared:profile+topology_sparse_merge",
+                   "learned,learned-shared:4+profile"):
+        cfg = resolve_args(parse(["--selectors", listed, "--profile", str(tmp_path / "p.json"),
+                                  "--out-dir", str(tmp_path)]))
+        assert cfg["selectors"] == tuple(listed.split(",")), listed
+    # A shared selector that does not read the profile leaves the auto-added one.
+    cfg = resolve_args(parse(["--selectors", "learned,learned-shared:4", "--profile", str(tmp_path / "p.json"),
+                              "--out-dir", str(tmp_path)]))
+    assert cfg["selectors"] == ("learned", "learned-shared:4", "profile")
+    with pytest.raises(UsageError, match="'learned-shared:4\\+profile' needs --profile FILE"):
+        resolve_args(parse(["--selectors", "learned,learned-shared:4+profile", "--out-dir", str(tmp_path)]))
     with pytest.raises(UsageError, match="'profile:topology_compress_sparse' needs --profile FILE"):
         resolve_args(parse(["--selectors", "profile:topology_compress_sparse", "--out-dir", str(tmp_path)]))
     with pytest.raises(UsageError, match="unknown selector 'profile:bogus'"):
