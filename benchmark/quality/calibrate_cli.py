@@ -40,6 +40,7 @@ from benchmark.quality.scan_choice import format_scanning, rescan_profile
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.paths import default_data_dir, user_path
 from benchmark.quality.text import NOVELS, ensure_austen_text, load_text_file, parse_novels, sample_windows_from_each
+from benchmark.quality.witness_exchange import parse_exchange
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import SERVED_WITNESS_SIGNALS, WitnessSignal
 
 DEFAULT_CONTEXTS = (2048,)
@@ -114,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "forwards), the output error of their own rows, of the reused rows and of the best "
                         "structural candidate merged into the reused rows, and the share of the loss it recovers "
                         "(benchmark/quality/shared_structure.py); writes --out-dir/shared_structure.json and .md")
+    p.add_argument("--exchange", action="append", default=[], metavar="CAP,MARGIN,PROTECT",
+                   help="with --shared-structure: also measure a mass-gated exchange into the reused rows "
+                        "(benchmark/quality/witness_exchange.py; harness only): the row's best-ranked PROTECT share "
+                        "of W stays, and at most CAP of W of the others, least estimated mass first, are swapped for "
+                        "the tokens outside the row with more than MARGIN times their estimated mass (each token's "
+                        "block witness score over its visible tokens); e.g. 1/4,2,1/2; repeat for several")
     p.add_argument("--out-dir", default="report/topology_kv_profile", help="where profile.json and share_kept.png go")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-plots", action="store_true")
@@ -175,6 +182,10 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         raise UsageError(f"--shared-structure: expected neither --scan nor another --policy (it measures merges of "
                          f"{MODE} into reused rows and writes no profile), got "
                          f"{'--scan ' + shown(args.scan) if scan is not None else '--policy ' + args.policy}")
+    exchanges = tuple(parse_exchange(text) for text in args.exchange)
+    if exchanges and not args.shared_structure:
+        raise UsageError(f"--exchange: expected only with --shared-structure (it merges into reused rows), got "
+                         f"--exchange {shown(args.exchange[0])}")
     if not args.shared_structure:
         if args.block_size is not None:
             raise UsageError(f"--block-size: expected only with --shared-structure (a profile's blocks are the engine's "
@@ -211,6 +222,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if exchanges and settings.resolved_witness_signal == "recency":
+        raise UsageError("--exchange: expected a witness signal that scores blocks (--witness-signal key_drift or a "
+                         "query-aware one), got recency")
     if args.threads:
         import torch
 
@@ -243,7 +257,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
           f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     command = "python benchmark/topology_kv_calibrate.py " + " ".join(shlex.quote(a) for a in argv)
     if args.shared_structure:
-        return shared_structure(args, lm, windows, settings, out_dir, command.strip())
+        return shared_structure(args, lm, windows, settings, out_dir, command.strip(), exchanges)
     profile = calibrate(lm, windows, settings, text=text, command=command.strip(), progress=not args.no_progress,
                         extra_settings={"windows": args.windows, "window_seed": args.window_seed},
                         guard=not args.no_guard)
@@ -261,7 +275,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def shared_structure(args, lm, windows, settings, out_dir, command: str) -> int:
+def shared_structure(args, lm, windows, settings, out_dir, command: str, exchanges=()) -> int:
     """``--shared-structure SCAN ...``: the table and JSON of :mod:`benchmark.quality.shared_structure`."""
     from benchmark.quality.shared_structure import format_shared_structure, run_shared_structure
     from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
@@ -276,7 +290,7 @@ def shared_structure(args, lm, windows, settings, out_dir, command: str) -> int:
             raise UsageError(f"--shared-structure: expected a scanning set some layer shares under, got {shown(text)} "
                              f"(every sparse layer scans)")
         plans.append(plan)
-    result = run_shared_structure(lm, windows, settings, plans, progress=not args.no_progress)
+    result = run_shared_structure(lm, windows, settings, plans, progress=not args.no_progress, exchanges=exchanges)
     result.update(command=command, model=lm.gguf_path.name if lm.gguf_path is not None else None,
                   contexts=list(settings.contexts), windows=args.windows,
                   candidates={"count": len(settings.candidates()) - 1,
@@ -284,11 +298,13 @@ def shared_structure(args, lm, windows, settings, out_dir, command: str) -> int:
                               "component_sets": ["+".join(sorted(c)) for c in settings.component_sets],
                               "block_size": settings.block_size, "sink_tokens": settings.sink_tokens,
                               "local_blocks": settings.local_blocks, "witness_blocks": settings.witness_blocks,
-                              "witness_signal": settings.resolved_witness_signal})
+                              "witness_signal": settings.resolved_witness_signal,
+                              "exchanges": [ex.name for ex in exchanges]})
     c = result["candidates"]
     header = (f"candidates: {c['count']} (shares {', '.join(c['shares'])} x {', '.join(c['component_sets'])}; "
               f"{c['block_size']}-token blocks, {c['sink_tokens']} sink tokens, {c['local_blocks']} local and "
-              f"{c['witness_blocks']} witness blocks ranked by {c['witness_signal']})")
+              f"{c['witness_blocks']} witness blocks ranked by {c['witness_signal']})"
+              + (f"; exchanges {', '.join(c['exchanges'])} (cap, margin, protect)" if c["exchanges"] else ""))
     table = header + "\n\n" + "\n\n".join(format_shared_structure(s) for s in result["sets"])
     (out_dir / "shared_structure.json").write_text(json.dumps(result, indent=1))
     (out_dir / "shared_structure.md").write_text(f"`{command}`\n\n{table}\n")

@@ -10,13 +10,16 @@ dense forward each, every layer on the dense model's own inputs, as
 * ``learned``: its own trained-indexer rows (what it would attend over if it scanned),
 * ``reuse``: its scanning layer's rows as they are (sharing alone),
 * every structural candidate of the calibration (shares x component sets, the engine's
-  component sizes) merged into the reused rows, with the layer's own witness scores.
+  component sizes) merged into the reused rows, with the layer's own witness scores,
+* each ``--exchange`` (:mod:`benchmark.quality.witness_exchange`): the same witness scores
+  swapping tokens into the reused rows only where they estimate a gain.
 
 Per layer and budget the best candidate is *chosen on the same windows it is scored on*
 and kept only if it beats ``reuse`` by the calibration's margin, so the recovered share
 printed, ``(reuse - chosen) / (reuse - learned)`` summed over the sharing layers, is an
 optimistic bound on what any per-layer structure entry can give back of what sharing
-loses, in output error at that layer.
+loses, in output error at that layer. Beside it, each candidate's sum when it runs in every
+sharing layer (what ``structure_layers=sharing`` serves), which is not chosen on the windows.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ from benchmark.quality.calibration import (
 )
 from benchmark.quality.layer import LayerInputs
 from benchmark.quality.model import LoadedModel
-from benchmark.quality.policy_selectors import make_policy_selector
+from benchmark.quality.policy_selectors import layer_witness_scores, make_policy_selector
 from benchmark.quality.selector_base import learned_rows_and_scores
 from benchmark.quality.text import TextWindow
+from benchmark.quality.witness_exchange import Exchange, exchange_rows
 from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
 from rtp_llm.models_py.modules.hybrid.topology_kv.profile import budget_key
 
@@ -60,10 +64,12 @@ def measure_shared_structure(
     settings: CalibrationSettings,
     plans: Sequence[IndexerSharePlan],
     progress: bool = True,
+    exchanges: Sequence[Exchange] = (),
 ) -> Measurements:
     """``Measurements`` of every layer that shares under some plan: ``learned`` (its own rows),
     ``reuse:<j>`` (the rows of each sparse layer ``j`` it reuses under some plan) and
-    :func:`merged_name` ``(j, candidate)`` (each structural candidate merged into them)."""
+    :func:`merged_name` ``(j, candidate)`` (each structural candidate merged into them, then
+    each of ``exchanges`` applied to them)."""
     if settings.policy != "topology_sparse_merge":
         raise ValueError(f"policy: expected topology_sparse_merge (a merge into the reused rows), got {settings.policy!r}")
     structural = settings.candidates()[1:]
@@ -80,6 +86,7 @@ def measure_shared_structure(
                 own = learned_rows_and_scores(layer, w, settings.selector_settings)
                 own_rows.setdefault(bi, {})[idx] = own
                 rows: Dict[str, torch.Tensor] = {}
+                scores = None
                 for source in sorted({plan.source(idx) for plan in plans if not plan.scans(idx)}):
                     base = own_rows[bi][source]
                     rows[OWN] = own[0]
@@ -88,6 +95,12 @@ def measure_shared_structure(
                         select = make_policy_selector(settings.policy, settings.selector_settings,
                                                       settings.policy_settings(cand), lambda _l, _w, b=base: b)
                         rows[merged_name(source, cand.name)] = select(layer, w, {})
+                    if exchanges and scores is None:
+                        scores, _ = layer_witness_scores(layer, settings.block_size,
+                                                         settings.resolved_witness_signal)
+                    for ex in exchanges:
+                        rows[merged_name(source, ex.name)] = exchange_rows(
+                            base[0], layer.lengths, scores, settings.block_size, ex)[0]
                 if rows:
                     for name, values in candidate_errors(layer, rows, w, settings.metric_stride).items():
                         out.add(idx, budget, context, name, values)
@@ -99,15 +112,23 @@ def measure_shared_structure(
     return out
 
 
+def candidate_names(settings: CalibrationSettings, exchanges: Sequence[Exchange] = ()) -> List[str]:
+    """The measured structural candidates: the calibration's, then the exchanges."""
+    return [c.name for c in settings.candidates()[1:]] + [ex.name for ex in exchanges]
+
+
 def summarize_shared_structure(
-    measurements: Measurements, plan: IndexerSharePlan, settings: CalibrationSettings
+    measurements: Measurements, plan: IndexerSharePlan, settings: CalibrationSettings,
+    exchanges: Sequence[Exchange] = (),
 ) -> Dict[str, object]:
     """Per budget: each sharing layer's ``learned``, ``reuse``, best candidate and chosen error
-    (module doc), and the sums with the recovered share (NaN where sharing loses nothing)."""
-    structural = settings.candidates()[1:]
+    (module doc), the sums with the recovered share (NaN where sharing loses nothing), and
+    ``every_layer``: each candidate's sum and recovered share when it runs in every sharing layer."""
+    names = candidate_names(settings, exchanges)
     per_budget: Dict[str, object] = {}
     for budget in settings.budgets:
         layers, sums = {}, {"learned": 0.0, "reuse": 0.0, "chosen": 0.0}
+        every_layer = {name: 0.0 for name in names}
         for layer in plan.sparse_layers:
             if plan.scans(layer):
                 continue
@@ -119,8 +140,10 @@ def summarize_shared_structure(
             own, reuse = err(OWN), err(reuse_name(source))
             if own != own or reuse != reuse:
                 continue  # no measured row at this budget (every row dense)
-            best_err, best = min(((err(merged_name(source, c.name)), c.name) for c in structural),
-                                 default=(float("nan"), None))
+            errs = {name: err(merged_name(source, name)) for name in names}
+            best_err, best = min(((e, name) for name, e in errs.items()), default=(float("nan"), None))
+            for name, e in errs.items():
+                every_layer[name] += e
             keep = best is not None and best_err < reuse * (1.0 - settings.margin)
             chosen = best_err if keep else reuse
             layers[str(layer)] = {
@@ -133,7 +156,9 @@ def summarize_shared_structure(
             sums["chosen"] += chosen
         lost = sums["reuse"] - sums["learned"]
         sums["recovered"] = (sums["reuse"] - sums["chosen"]) / lost if lost > 0 else float("nan")
-        per_budget[budget_key(budget)] = {"layers": layers, "sum": sums}
+        per_budget[budget_key(budget)] = {"layers": layers, "sum": sums, "every_layer": {
+            name: {"sum": total, "recovered": (sums["reuse"] - total) / lost if lost > 0 else float("nan")}
+            for name, total in every_layer.items()}}
     return {"scan": plan.spec, "scanning": list(plan.scanning), "sparse_layers": len(plan.sparse_layers),
             "margin": settings.margin, "budgets": per_budget, "ranked": rank_structure_layers(per_budget)}
 
@@ -189,12 +214,25 @@ def format_shared_structure(summary: Dict[str, object]) -> str:
                      + ",".join(str(layer) for layer, _ in ranked[:min(4, len(ranked))]) + "` (K = 4)")
     lines.append("\nThe best candidate is chosen on the windows it is scored on: the recovered share is an "
                  "optimistic bound for per-layer structure on reused rows.")
+    every = [summary["budgets"][b].get("every_layer", {}) for b in budgets]
+    if any(every):
+        lines += ["", "each candidate in every sharing layer (as `structure_layers=sharing` serves it): summed "
+                  "output error (share of the loss it recovers; negative: it adds error)", "",
+                  "| candidate | " + " | ".join(f"W = {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+        for name in every[0]:
+            cells = []
+            for e in every:
+                m = e[name]
+                cells.append(f"{m['sum']:.4f} ({m['recovered']:+.0%})" if m["recovered"] == m["recovered"]
+                             else f"{m['sum']:.4f}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def run_shared_structure(lm, windows, settings, plans, progress=True) -> Dict[str, object]:
+def run_shared_structure(lm, windows, settings, plans, progress=True,
+                         exchanges: Sequence[Exchange] = ()) -> Dict[str, object]:
     """Measure every plan in the same forwards; ``{"seconds": s, "sets": [summary, ...]}``."""
     start = time.perf_counter()
-    measurements = measure_shared_structure(lm, windows, settings, plans, progress=progress)
+    measurements = measure_shared_structure(lm, windows, settings, plans, progress=progress, exchanges=exchanges)
     return {"seconds": round(time.perf_counter() - start, 1),
-            "sets": [summarize_shared_structure(measurements, p, settings) for p in plans]}
+            "sets": [summarize_shared_structure(measurements, p, settings, exchanges) for p in plans]}

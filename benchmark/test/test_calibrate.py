@@ -761,6 +761,40 @@ def test_shared_structure_summary_by_hand():
     assert s["ranked"] == [[2, pytest.approx(0.01)]]
     assert "sharing layers by the output error their structure removes (summed over the budgets): 2 (0.0100); " \
            "structure on the first K: `RTP_LLM_TOPOLOGY_KV_STRUCTURE_LAYERS=2` (K = 4)" in table
+    # Each candidate in every sharing layer: candidate i sums 0.020 + 0.0195 + 2 x 0.001 i against reuse 0.05.
+    every = s["budgets"]["1/4"]["every_layer"]
+    assert list(every) == names
+    for i, name in enumerate(names):
+        assert every[name]["sum"] == pytest.approx(0.0395 + 0.002 * i)
+        assert every[name]["recovered"] == pytest.approx((0.05 - 0.0395 - 0.002 * i) / 0.03)
+    assert f"| {names[0]} | 0.0395 (+35%) |" in table
+
+
+def test_shared_structure_summary_takes_the_exchanges_as_candidates():
+    from benchmark.quality.shared_structure import format_shared_structure, summarize_shared_structure
+    from benchmark.quality.witness_exchange import parse_exchange
+    from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
+
+    settings = dataclasses.replace(SMALL, contexts=(128,), budgets=(Fraction(1, 4),), margin=0.05)
+    plan = IndexerSharePlan.parse("0", (0, 2))  # 2 reuses 0
+    b = Fraction(1, 4)
+    ex = parse_exchange("1/4,2,1/2")
+    m = Measurements()
+    m.add(2, b, 128, "learned", (0.010, 0.0, 1))
+    m.add(2, b, 128, "reuse:0", (0.030, 0.0, 1))
+    for c in settings.candidates()[1:]:
+        m.add(2, b, 128, f"reuse:0|{c.name}", (0.040, 0.0, 1))  # every share adds error
+    m.add(2, b, 128, f"reuse:0|{ex.name}", (0.015, 0.0, 1))
+    s = summarize_shared_structure(m, plan, settings, [ex])
+    layer = s["budgets"]["1/4"]["layers"]["2"]
+    assert layer["chosen"] == ex.name == "exchange:1/4:2:1/2" and layer["recovered"] == pytest.approx(0.75)
+    every = s["budgets"]["1/4"]["every_layer"]
+    assert every[ex.name]["recovered"] == pytest.approx(0.75)
+    assert all(every[c.name]["recovered"] == pytest.approx(-0.5) for c in settings.candidates()[1:])
+    table = format_shared_structure(s)
+    assert "| exchange:1/4:2:1/2 | 0.0150 (+75%) |" in table and "0.0400 (-50%) |" in table
+    # Without the exchange, the same measurements keep the reused rows.
+    assert summarize_shared_structure(m, plan, settings)["budgets"]["1/4"]["layers"]["2"]["chosen"] == "reuse"
 
 
 def test_structure_layers_ranked_by_the_error_removed_over_budgets():
@@ -801,6 +835,27 @@ def test_shared_structure_measures_the_rows_the_calibration_measures(tmp_path, s
             got.mean(2, Fraction(b), merged_name(0, c.name), (192,))[0] for c in settings.candidates()[1:])
 
 
+def test_shared_structure_measures_the_exchanged_rows():
+    from benchmark.quality.calibration import reuse_name
+    from benchmark.quality.shared_structure import measure_shared_structure, merged_name
+    from benchmark.quality.witness_exchange import Exchange
+    from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan
+
+    lm = _tiny_model()
+    tokens = torch.randint(0, 100, (1500,), generator=_gen(6)).tolist()
+    settings = dataclasses.replace(SMALL, contexts=(192,), budgets=(Fraction(1, 8), Fraction(1, 4)),
+                                   witness_signal="query_group_mass", harness_signals=True, block_size=8)
+    windows = {192: sample_windows(tokens, "rand", 192, 2, seed=0)}
+    plan = IndexerSharePlan.parse("every:2", lm.full_attention_layers)
+    never = Exchange(Fraction(1, 2), 1e30, Fraction(0))  # no outsider carries 1e30 x an entry: no swap
+    free = Exchange(Fraction(1, 2), 0.0, Fraction(0))  # any outsider with mass beats margin 0
+    got = measure_shared_structure(lm, windows, settings, [plan], progress=False, exchanges=[never, free])
+    for b in settings.budgets:
+        reuse = got.mean(2, b, reuse_name(0), (192,))
+        assert got.mean(2, b, merged_name(0, never.name), (192,)) == reuse
+        assert got.mean(2, b, merged_name(0, free.name), (192,))[0] != reuse[0]
+
+
 def test_shared_structure_flags_are_checked(capsys):
     from benchmark.quality import calibrate_cli
 
@@ -816,6 +871,14 @@ def test_shared_structure_flags_are_checked(capsys):
     for flag in ("--block-size", "--witness-blocks"):
         assert calibrate_cli.main(["--shared-structure", "every:2", flag, "0"]) == 2
         assert f"{flag}: expected >= 1, got 0" in capsys.readouterr().err
+    assert calibrate_cli.main(["--exchange", "1/4,2,1/2"]) == 2
+    assert "--exchange: expected only with --shared-structure (it merges into reused rows), got --exchange " \
+           "'1/4,2,1/2'" in capsys.readouterr().err
+    assert calibrate_cli.main(["--shared-structure", "every:2", "--exchange", "1/4,2"]) == 2
+    assert "--exchange: expected CAP,MARGIN,PROTECT (e.g. 1/4,2,1/2), got '1/4,2'" in capsys.readouterr().err
+    assert calibrate_cli.main(["--shared-structure", "every:2", "--exchange", "1/4,2,1/2",
+                               "--witness-signal", "recency"]) == 2
+    assert "--exchange: expected a witness signal that scores blocks" in capsys.readouterr().err
     with pytest.raises(ValueError, match="witness_signal: expected default, key_drift, recency or query_group_mass"):
         dataclasses.replace(SMALL, witness_signal="query_mass")
     assert dataclasses.replace(SMALL, witness_signal="query_mass", harness_signals=True).resolved_witness_signal == "query_mass"

@@ -1,0 +1,123 @@
+"""A mass-gated exchange of witness tokens into a sharing layer's reused rows (harness only).
+
+The served merge (``topology_sparse_merge``) gives witnesses a fixed share of ``W``: the
+reused row's lowest-ranked entries make room for the best witness blocks, whether or not
+those blocks carry more of this layer's attention than the entries they displace. The
+exchange swaps an entry only when the layer's own estimate says it gains:
+
+* each token's estimated mass is its block's witness score (``query_group_mass``: the
+  softmax mass of the block centroid under the row's query, summed over KV heads) split
+  evenly over the block's tokens the row can see;
+* the reused row's best-ranked ``protect * W`` entries are never swapped (a block centroid
+  says nothing of a single spiky token, such as an attention sink the indexer found);
+* the other entries, least estimated mass first, are swapped against the tokens outside the
+  row, most estimated mass first, while the outsider carries more than ``margin`` times the
+  entry's estimate, at most ``cap * W`` of them.
+
+Rows no longer than ``W`` (every token already in them) are returned as they are. The rows
+stay the engine's: int32 ``[T, W]``, request-local positions, each at most once, every
+entry below the row's length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+from typing import Tuple
+
+import torch
+
+from benchmark.quality.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """``cap``: most entries swapped, a share of ``W``; ``margin``: an outsider must carry more
+    than ``margin`` times the estimated mass of the entry it replaces; ``protect``: the reused
+    row's best-ranked share of ``W`` that is never swapped."""
+
+    cap: Fraction
+    margin: float
+    protect: Fraction
+
+    def __post_init__(self) -> None:
+        if not 0 < self.cap <= 1:
+            raise ValueError(f"cap: expected a share of W in (0, 1], got {self.cap}")
+        if not (self.margin >= 0 and self.margin < float("inf")):
+            raise ValueError(f"margin: expected a finite number >= 0, got {self.margin}")
+        if not 0 <= self.protect < 1:
+            raise ValueError(f"protect: expected a share of W in [0, 1), got {self.protect}")
+
+    @property
+    def name(self) -> str:
+        return f"exchange:{self.cap}:{self.margin:g}:{self.protect}"
+
+
+def parse_exchange(text: str, flag: str = "--exchange") -> Exchange:
+    """``CAP,MARGIN,PROTECT`` (e.g. ``1/4,2,1/2``) -> :class:`Exchange`; :class:`UsageError` naming ``flag``."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 3:
+        raise UsageError(f"{flag}: expected CAP,MARGIN,PROTECT (e.g. 1/4,2,1/2), got {text!r}")
+    try:
+        cap, margin, protect = Fraction(parts[0]), float(parts[1]), Fraction(parts[2])
+    except (ValueError, ZeroDivisionError):
+        raise UsageError(f"{flag}: expected CAP,MARGIN,PROTECT as fraction,number,fraction (e.g. 1/4,2,1/2), "
+                         f"got {text!r}") from None
+    try:
+        return Exchange(cap, margin, protect)
+    except ValueError as exc:
+        raise UsageError(f"{flag} {text!r}: {exc}") from None
+
+
+def token_mass_estimates(block_scores: torch.Tensor, lengths: torch.Tensor, key_length: int,
+                         block_size: int) -> torch.Tensor:
+    """fp32 ``[T, L]``: each row's block score split evenly over the block's tokens below the
+    row's length; 0 at and past the length. ``block_scores``: ``[T, N]`` or ``[1, N]`` (shared),
+    ``N >= ceil(L / block_size)``."""
+    T = lengths.shape[0]
+    pos = torch.arange(key_length, device=lengths.device)
+    block = pos // block_size
+    scores = block_scores.to(torch.float32).expand(T, -1)[:, block]  # [T, L]
+    lengths = lengths.to(torch.int64).unsqueeze(1)
+    visible = (lengths - (block * block_size).unsqueeze(0)).clamp(0, block_size)  # [T, L]
+    seen = pos.unsqueeze(0) < lengths
+    return torch.where(seen, scores / visible.clamp(min=1), torch.zeros((), device=scores.device))
+
+
+def exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, block_scores: torch.Tensor, block_size: int,
+                  exchange: Exchange) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, swaps)``: int32 ``[T, W]`` rows after the exchange (module doc) and int64 ``[T]``
+    entries swapped per row. ``rows``: int32 ``[T, W]`` reused rows, best-ranked first, ``-1``
+    padding; ``lengths``: ``[T]`` causal lengths; ``block_scores``: ``[T, N]`` or ``[1, N]``.
+    The inputs are not modified."""
+    T, W = rows.shape
+    if lengths.shape != (T,):
+        raise ValueError(f"lengths: expected shape ({T},) like rows' first dim, got {tuple(lengths.shape)}")
+    key_length = int(lengths.max()) if T else 0
+    lengths = lengths.to(torch.int64)
+    est = token_mass_estimates(block_scores, lengths, key_length, block_size)  # [T, L]
+    r = rows.to(torch.int64)
+    valid = r >= 0
+    in_row = torch.zeros(T, key_length + 1, dtype=torch.bool, device=rows.device)
+    in_row.scatter_(1, torch.where(valid, r, key_length), True)
+    in_row = in_row[:, :key_length]
+    protect = int(exchange.protect * W)
+    cap = min(int(exchange.cap * W), W - protect)
+    inf = torch.tensor(float("inf"), device=rows.device)
+    est_in = torch.where(valid, est.gather(1, r.clamp(min=0)), inf)
+    est_in[:, :protect] = inf  # the best-ranked entries stay
+    order = est_in.argsort(dim=1, stable=True)[:, :cap]  # the least estimated mass first
+    lowest = est_in.gather(1, order)
+    outside = (torch.arange(key_length, device=rows.device).unsqueeze(0) < lengths.unsqueeze(1)) & ~in_row
+    out_est = torch.where(outside, est, -inf)
+    best, best_pos = out_est.topk(min(cap, key_length), dim=1)  # the most estimated mass first
+    if best.shape[1] < cap:  # fewer tokens than the cap: nothing past them to swap in
+        pad = cap - best.shape[1]
+        best = torch.cat([best, torch.full((T, pad), -float("inf"), device=rows.device)], dim=1)
+        best_pos = torch.cat([best_pos, torch.zeros((T, pad), dtype=torch.int64, device=rows.device)], dim=1)
+    # Outsiders fall and entries rise along the pairs, so the swaps that gain are a prefix.
+    take = (best > exchange.margin * lowest) & torch.isfinite(best) & torch.isfinite(lowest)
+    take &= (lengths > W).unsqueeze(1)
+    out = r.clone()
+    out.scatter_(1, order, torch.where(take, best_pos, r.gather(1, order)))
+    return out.to(torch.int32), take.sum(dim=1)
