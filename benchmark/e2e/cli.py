@@ -203,6 +203,9 @@ def parse_e2e_mode_settings(p: argparse.ArgumentParser, items: Sequence[str]) ->
         if "scaffold_tokens" in fields:
             p.error(f"--policy-mode-settings {item!r}: scaffold_tokens is the quality harness's; the end-to-end "
                     "benchmark has no scaffold")
+        if "witness_exchange" in fields:
+            p.error(f"--policy-mode-settings {item!r}: witness_exchange is the quality harness's; serving (and so "
+                    "the end-to-end benchmark) has no exchange")
         structural = {k: v for k, v in fields.items() if k not in HOOK_KEYS}
         try:
             IndexerTopologySettings(policy=TopologyKVPolicyConfig(policy=mode, **structural),

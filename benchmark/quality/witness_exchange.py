@@ -69,6 +69,22 @@ def parse_exchange(text: str, flag: str = "--exchange") -> Exchange:
         raise UsageError(f"{flag} {text!r}: {exc}") from None
 
 
+def parse_exchange_setting(text: str, cap: float, where: str) -> Exchange:
+    """The policy setting ``witness_exchange=MARGIN:PROTECT`` (e.g. ``2:1/2``), capped at the
+    mode's ``max_structural_fraction`` ``cap``; :class:`UsageError` naming ``where``."""
+    parts = [p.strip() for p in text.split(":")]
+    if len(parts) != 2:
+        raise UsageError(f"{where}: expected MARGIN:PROTECT (e.g. 2:1/2), got {text!r}")
+    try:
+        margin, protect = float(parts[0]), Fraction(parts[1])
+    except (ValueError, ZeroDivisionError):
+        raise UsageError(f"{where}: expected MARGIN:PROTECT as number:fraction (e.g. 2:1/2), got {text!r}") from None
+    try:
+        return Exchange(Fraction(cap).limit_denominator(1 << 16), margin, protect)
+    except ValueError as exc:
+        raise UsageError(f"{where} {text!r}: {exc}") from None
+
+
 def token_mass_estimates(block_scores: torch.Tensor, lengths: torch.Tensor, key_length: int,
                          block_size: int) -> torch.Tensor:
     """fp32 ``[T, L]``: each row's block score split evenly over the block's tokens below the

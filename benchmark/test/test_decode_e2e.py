@@ -636,6 +636,8 @@ def test_policy_mode_settings_are_checked_before_the_load(capsys):
     for item, message in [
         ("topology_sparse_merge:witness_signal=query_mass", "witness_signal: expected one of [auto, key_drift"),
         ("topology_sparse_merge:scaffold_tokens=4", "scaffold_tokens is the quality harness's"),
+        ("topology_sparse_merge:witness_exchange=2:1/2", "witness_exchange is the quality harness's; serving "
+         "(and so the end-to-end benchmark) has no exchange"),
         ("sparse:block_size=8", "expected MODE:KEY=VALUE,... with MODE in"),
         ("topology_sparse_merge:block_size=0", "block_size"),
         ("topology_sparse_merge:structure_layers=some", "structure_layers: expected one of [all, sharing] or a "

@@ -5,6 +5,7 @@ a new forward starting over, and the names (synthetic layer inputs, no model).""
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 import re
 
 import pytest
@@ -95,6 +96,47 @@ def test_structure_on_sharing_layers_only_leaves_the_scanning_layers_rows():
     with pytest.raises(UsageError, match=r"structure_layers: expected one of \[all, sharing\] or a comma list of "
                                          r"layer indices \(e.g. 1,17,24\), got 'some'"):
         PolicySettings(structure_layers="some")
+
+
+def test_the_exchange_replaces_the_merge_in_the_sharing_layers():
+    from benchmark.quality.cli import parse_mode_settings
+    from benchmark.quality.policy_selectors import PolicySettings, layer_witness_scores
+    from benchmark.quality.witness_exchange import Exchange, exchange_rows
+
+    width = 320
+    layers = [synthetic_layer(30 + i, layer_idx=x, T=640) for i, x in enumerate((2, 5, 7, 9))]
+    base = "topology_sparse_merge:block_size=8,local_blocks=0,sink_tokens=0,max_structural_fraction=0.25," \
+           "witness_signal=query_group_mass,structure_layers=sharing"
+    policy = PolicySettings(mode_overrides=parse_mode_settings([base + ",witness_exchange=2:1/2"]))
+    select = make_selector("learned-shared:2+topology_sparse_merge", SETTINGS, policy)
+    merge = make_selector("learned-shared:2+topology_sparse_merge", SETTINGS,
+                          PolicySettings(mode_overrides=parse_mode_settings([base])))
+    plain = make_selector("learned-shared:2", SETTINGS)
+    swapped = 0
+    for i, layer in enumerate(layers):
+        stats = {}
+        got, rows = select(layer, width, stats), plain(layer, width, {})
+        if i % 2 == 0:  # a scanning layer keeps its own rows
+            assert torch.equal(got, rows) and not stats
+            continue
+        scores, _ = layer_witness_scores(layer, 8, "query_group_mass")
+        want, swaps = exchange_rows(rows, layer.lengths, scores, 8, Exchange(Fraction(1, 4), 2.0, Fraction(1, 2)))
+        assert torch.equal(got, want) and stats["exchange_swaps"] == int(swaps.sum())
+        assert not torch.equal(got, merge(layer, width, {}))
+        check_engine_rows(got, layer.lengths, width)
+        swapped += stats["exchange_swaps"]
+    assert swapped > 0
+    with pytest.raises(UsageError, match=r"witness_exchange \(topology_sparse_merge\): expected witnesses only "
+                                         r"\(sink_tokens=0, local_blocks=0\), got sink_tokens=4, local_blocks=0"):
+        make_selector("learned-shared:2+topology_sparse_merge", SETTINGS, PolicySettings(mode_overrides=parse_mode_settings(
+            ["topology_sparse_merge:local_blocks=0,witness_signal=query_group_mass,witness_exchange=2:1/2"])))
+    with pytest.raises(UsageError, match="expected a witness signal that scores blocks, got recency"):
+        make_selector("learned-shared:2+topology_sparse_merge", SETTINGS, PolicySettings(mode_overrides=parse_mode_settings(
+            ["topology_sparse_merge:local_blocks=0,sink_tokens=0,witness_signal=recency,witness_exchange=2:1/2"])))
+    with pytest.raises(UsageError, match=r"witness_exchange: expected MARGIN:PROTECT \(e.g. 2:1/2\), got '2'"):
+        PolicySettings(witness_exchange="2")
+    with pytest.raises(UsageError, match=r"witness_exchange '2:1': protect: expected a share of W in \[0, 1\), got 1"):
+        PolicySettings(witness_exchange="2:1")
 
 
 def test_structure_on_listed_layers_only():
