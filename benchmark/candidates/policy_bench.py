@@ -29,7 +29,9 @@ key write: the indexer-key store plus the drift tracker's update per layer call
 ``update_reference``, its torch ops), for 1, 8 and 64 requests, interleaved (JSON key ``tracker_update``).
 A last table times the served ``query_group_mass`` witness scores per layer call (one C++
 call on CPU, beside their torch reference; SmolLM2's attention shape at 8-token blocks, 8k)
-with the bytes each call must read and the rate reached (JSON key ``witness_scores``).
+with the bytes each call must read and the rate reached (JSON key ``witness_scores``). The
+last one times a sharing layer's whole policy hook with those witnesses (key tracker update,
+scores, merge) and each part alone (JSON key ``sharing_layer``).
 
 Input rows are synthetic but valid: ``W`` unique positions per row spread over ``[0, L)``
 in random order (the engine's top-k order is arbitrary), drift scores and learned scores
@@ -514,6 +516,101 @@ def time_witness_scores(device: torch.device, rounds: int, warmup: int, evict: C
     return out
 
 
+SHARING_BATCHES = (1, 8, 64)  # decode rows per layer call (one row per request)
+SHARING_PARTS = ("hook", "update", "scores", "merge")
+
+
+def sharing_layer_calls(device: torch.device, batch: int, gen: torch.Generator, heads: int = 9, kv_heads: int = 3,
+                        head_dim: int = 64, context: int = 8192, width: int = 1024, block_size: int = 8,
+                        witness_blocks: int = 64, share: float = 0.25
+                        ) -> Tuple[Dict[str, Callable[[], object]], Callable[[torch.Tensor], object]]:
+    """``(calls, merge_with)`` on one layer's state for ``batch`` requests (random keys, reused
+    rows and queries from ``gen``): the calls :func:`time_sharing_layer` times (``hook``,
+    ``update``, ``scores``, and ``merge``: ``merge_with`` the scores of the state as built), and
+    ``merge_with(scores)``, the layer policy's run on the reused rows with ``scores``."""
+    from rtp_llm.models_py.modules.hybrid.indexer import Indexer
+    from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerAttentionInputs, IndexerFmhaParams
+    from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan, SharedTopkRows
+    from rtp_llm.models_py.modules.hybrid.topology_kv import witness
+    from rtp_llm.models_py.modules.hybrid.topology_kv.config import IndexerTopologySettings, TopologyKVPolicyConfig
+    from rtp_llm.models_py.modules.hybrid.topology_kv.drift import BlockDriftTracker
+
+    config = TopologyKVPolicyConfig(policy="topology_sparse_merge", block_size=block_size,
+                                    witness_blocks=witness_blocks, local_blocks=0, sink_tokens=0,
+                                    max_structural_fraction=share)
+    settings = IndexerTopologySettings(policy=config, witness_signal="query_group_mass")
+    plan = IndexerSharePlan.parse("0", (0, 1))  # layer 1 reuses layer 0's rows
+    indexer = Indexer(1, 64, width, 64, layer_idx=1, topology=settings, device=device, share=plan)
+    B, K = batch, kv_heads * head_dim
+    tracker = BlockDriftTracker(B, -(-(context + 1) // block_size), K, block_size=block_size, device=device)
+    tracker.update(torch.randn(B * context, K, generator=gen).to(device),
+                   torch.arange(context).repeat(B).to(device), torch.arange(B).repeat_interleave(context).to(device))
+    rows = torch.stack([torch.randperm(context + 1, generator=gen)[:width] for _ in range(B)]).to(
+        device=device, dtype=torch.int32)
+    shared = SharedTopkRows()
+    shared.by_layer[0] = rows
+    queries = torch.randn(B, heads, head_dim, generator=gen).to(device) * head_dim ** -0.5
+    keys = torch.randn(B, K, generator=gen).to(device)
+    positions = torch.full((B,), context, device=device)
+    request_ids = torch.arange(B, device=device)
+    lengths = (positions + 1).to(torch.int32)
+    empty = torch.empty(0, dtype=torch.int32, device=device)
+    fmha = IndexerFmhaParams(expanded_seq_lens=lengths, topk_indices_offset=empty, ks=empty, ke=empty,
+                             slot_mapping=empty)
+    attn = IndexerAttentionInputs(is_prefill=False, decode_cu_seqlens_device=None, is_target_verify=False,
+                                  kv_cache_kernel_block_id_device=torch.zeros(B, 1, dtype=torch.int32, device=device))
+
+    def scores():
+        return witness.tracker_query_group_mass_scores_unchecked(
+            queries, tracker.block_sums(), tracker.block_counts(), request_ids, lengths, block_size)
+
+    def update():
+        tracker.update(keys, positions, request_ids)
+
+    def hook():
+        update()
+        return indexer._compute_topk(None, None, None, fmha, attn, None, drift_tracker=tracker,
+                                     shared_rows=shared, witness_queries=queries)
+
+    def merge_with(witness_scores: torch.Tensor):
+        return indexer.topology_layer.run(rows, lengths, None, witness_scores, None)
+
+    built = scores()
+    return {"hook": hook, "update": update, "scores": scores, "merge": lambda: merge_with(built)}, merge_with
+
+
+def time_sharing_layer(device: torch.device, rounds: int, warmup: int, evict: Callable[[], None],
+                       **shape) -> List[Dict[str, object]]:
+    """A sharing layer's policy hook per decode step and its parts, interleaved: what the
+    end-to-end benchmark's sharing layers serve with ``query_group_mass`` witnesses
+    (``topology_sparse_merge``, 64 witness blocks of 8 tokens, at most a quarter of ``W`` =
+    1024, no sinks nor local blocks; SmolLM2's 9 query heads over 3 KV heads of 64; other
+    values through ``shape``, :func:`sharing_layer_calls`' keywords), for decode batches of
+    :data:`SHARING_BATCHES` requests, one row each at 8k tokens.
+
+    ``hook``: the attention-key tracker's update, then ``Indexer._compute_topk`` on the
+    scanning layer's rows (what the e2e's policy column times in a sharing layer); its
+    parts alone: ``update`` (``BlockDriftTracker.update`` with the row's key), ``scores``
+    (``tracker_query_group_mass_scores_unchecked``, the witness scores the hook computes)
+    and ``merge`` (the layer policy's ``run`` on the rows with such scores). ``rest``, the
+    hook less the three parts, is the hook's own work (argument handling, the row-to-request map).
+    """
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for B in SHARING_BATCHES:
+        calls, _ = sharing_layer_calls(device, B, gen, **shape)
+        times, warm = time_interleaved(calls, device, max(rounds, 20), warmup, evict)
+        row = {"batch": B, "context": shape.get("context", 8192), "width": shape.get("width", 1024),
+               "block_size": shape.get("block_size", 8), "witness_blocks": shape.get("witness_blocks", 64),
+               "share": shape.get("share", 0.25)}
+        for part in SHARING_PARTS:
+            row[f"{part}_us"] = 1e3 * statistics.median(times[part])
+            row[f"{part}_warm_us"] = 1e3 * statistics.median(warm[part])
+        row["rest_us"] = row["hook_us"] - sum(row[f"{p}_us"] for p in SHARING_PARTS[1:])
+        out.append(row)
+    return out
+
+
 def _fmt(v) -> str:
     if v is None:
         return "n/a"
@@ -561,6 +658,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{t['batch']}\t{t['kernel']}\t{t['scores_us']:.1f}\t{t['reference_us']:.1f}\t{t['speedup']:.1f}x\t"
               f"{t['scores_warm_us']:.1f}\t{t['reference_warm_us']:.1f}\t{t['table_mb']:.2f}\t"
               f"{t['kernel_gbps']:.1f}")
+    sharing = time_sharing_layer(args.device, args.rounds, args.warmup, evict)
+    print("\na sharing layer's policy hook per decode step (hook: key tracker update + Indexer._compute_topk on the "
+          "reused rows, as the e2e serves query_group_mass witnesses; its parts alone; rest: hook - parts; SmolLM2's "
+          "9 over 3 heads of 64, 8k, W 1024, 64 witness blocks of 8 at most a quarter of W; cold, warm beside)")
+    print("batch\thook_us\tupdate_us\tscores_us\tmerge_us\trest_us\thook_warm_us\tupdate_warm_us\tscores_warm_us\t"
+          "merge_warm_us")
+    for t in sharing:
+        print("\t".join([str(t["batch"])] + [f"{t[k]:.1f}" for k in (
+            "hook_us", "update_us", "scores_us", "merge_us", "rest_us", "hook_warm_us", "update_warm_us",
+            "scores_warm_us", "merge_warm_us")]))
     if args.json:
         path = args.json
         if not os.path.isabs(path) and os.environ.get("BUILD_WORKING_DIRECTORY"):
@@ -570,7 +677,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                                           **evict.describe()}},
                    "args": {k: str(v) for k, v in vars(args).items()},
                    "rows": results, "targets": checks, "tracker_update": tracker,
-                   "witness_scores": witness_scores}
+                   "witness_scores": witness_scores, "sharing_layer": sharing}
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
     return 0

@@ -12,7 +12,8 @@ dense forward each, every layer on the dense model's own inputs, as
 * every structural candidate of the calibration (shares x component sets, the engine's
   component sizes) merged into the reused rows, with the layer's own witness scores,
 * each ``--exchange`` (:mod:`benchmark.quality.witness_exchange`): the same witness scores
-  swapping tokens into the reused rows only where they estimate a gain.
+  swapping tokens into the reused rows only where they estimate a gain (harness only, so
+  reported in every sharing layer and never the per-layer choice, which serving must run).
 
 Per layer and budget the best candidate is *chosen on the same windows it is scored on*
 and kept only if it beats ``reuse`` by the calibration's margin, so the recovered share
@@ -124,6 +125,7 @@ def summarize_shared_structure(
     """Per budget: each sharing layer's ``learned``, ``reuse``, best candidate and chosen error
     (module doc), the sums with the recovered share (NaN where sharing loses nothing), and
     ``every_layer``: each candidate's sum and recovered share when it runs in every sharing layer."""
+    served = candidate_names(settings)
     names = candidate_names(settings, exchanges)
     per_budget: Dict[str, object] = {}
     for budget in settings.budgets:
@@ -141,7 +143,7 @@ def summarize_shared_structure(
             if own != own or reuse != reuse:
                 continue  # no measured row at this budget (every row dense)
             errs = {name: err(merged_name(source, name)) for name in names}
-            best_err, best = min(((e, name) for name, e in errs.items()), default=(float("nan"), None))
+            best_err, best = min(((errs[name], name) for name in served), default=(float("nan"), None))
             for name, e in errs.items():
                 every_layer[name] += e
             keep = best is not None and best_err < reuse * (1.0 - settings.margin)

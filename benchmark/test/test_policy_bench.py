@@ -58,11 +58,40 @@ def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
     assert witness[0].startswith("query_group_mass witness scores per layer call")
     assert witness[1].split("\t") == ["batch", "kernel", "scores_us", "reference_us", "speedup", "scores_warm_us",
                                        "reference_warm_us", "table_MB", "scores_GB/s"]
-    assert [line.split("\t")[0] for line in witness[2:]] == [str(b) for b in bench.WITNESS_BATCHES]
+    m = len(bench.WITNESS_BATCHES)
+    assert [line.split("\t")[0] for line in witness[2:2 + m]] == [str(b) for b in bench.WITNESS_BATCHES]
     for t in payload["witness_scores"]:
         assert t["scores_us"] > 0 and t["reference_us"] > 0 and t["scores_warm_us"] > 0
         assert t["kernel"] == {"cpu": "cpu", "cuda": "torch"}[DEVICE]
         assert t["table_mb"] == pytest.approx(t["batch"] * (8192 // 8) * 3 * 64 * 4 / 1e6)
+    sharing = witness[2 + m + 1:]
+    assert sharing[0].startswith("a sharing layer's policy hook per decode step")
+    assert sharing[1].split("\t") == ["batch", "hook_us", "update_us", "scores_us", "merge_us", "rest_us",
+                                       "hook_warm_us", "update_warm_us", "scores_warm_us", "merge_warm_us"]
+    assert [line.split("\t")[0] for line in sharing[2:]] == [str(b) for b in bench.SHARING_BATCHES]
+    for t in payload["sharing_layer"]:
+        assert all(t[f"{p}_us"] > 0 and t[f"{p}_warm_us"] > 0 for p in bench.SHARING_PARTS)
+        assert t["rest_us"] == pytest.approx(t["hook_us"] - t["update_us"] - t["scores_us"] - t["merge_us"])
+        assert (t["width"], t["block_size"], t["witness_blocks"], t["share"]) == (1024, 8, 64, 0.25)
+
+
+def test_the_timed_sharing_hook_is_the_merge_of_the_reused_rows():
+    # Two layers built alike: the hook on one equals, on the other, the update then the merge
+    # of the reused rows with the updated tracker's scores (the parts the table times alone).
+    def case():
+        return bench.sharing_layer_calls(torch.device(DEVICE), 2, torch.Generator().manual_seed(5), context=512,
+                                         width=64)
+
+    (a, _), (b, merge_with) = case(), case()
+    hook = a["hook"]()
+    b["update"]()
+    scores = b["scores"]()
+    assert scores.shape == (2, 512 // 8 + 1)
+    merged = merge_with(scores)
+    assert torch.equal(hook, merged.indices)
+    assert merged.counters.to_dict()["structural_injected_tokens"] > 0  # witnesses went in
+    for r in hook.tolist():  # rows of 64 from 513 tokens, distinct
+        assert len(r) == len(set(r)) == 64 and all(0 <= x <= 512 for x in r)
 
 
 def _row(mode, backend, policy_ms, layer_ms=None, topk_ms=0.2, rows=1, seq_len=8192, scored=False):
