@@ -517,17 +517,20 @@ def time_witness_scores(device: torch.device, rounds: int, warmup: int, evict: C
 
 
 SHARING_BATCHES = (1, 8, 64)  # decode rows per layer call (one row per request)
+# SmolLM2's attention at 8k, the e2e's W and witness settings in its sharing layers.
+SHARING_SHAPE = dict(heads=9, kv_heads=3, head_dim=64, context=8192, width=1024, block_size=8, witness_blocks=64,
+                     share=0.25)
 SHARING_PARTS = ("hook", "update", "scores", "merge")
 
 
-def sharing_layer_calls(device: torch.device, batch: int, gen: torch.Generator, heads: int = 9, kv_heads: int = 3,
-                        head_dim: int = 64, context: int = 8192, width: int = 1024, block_size: int = 8,
-                        witness_blocks: int = 64, share: float = 0.25
+def sharing_layer_calls(device: torch.device, batch: int, gen: torch.Generator, *, heads: int, kv_heads: int,
+                        head_dim: int, context: int, width: int, block_size: int, witness_blocks: int, share: float,
                         ) -> Tuple[Dict[str, Callable[[], object]], Callable[[torch.Tensor], object]]:
     """``(calls, merge_with)`` on one layer's state for ``batch`` requests (random keys, reused
     rows and queries from ``gen``): the calls :func:`time_sharing_layer` times (``hook``,
     ``update``, ``scores``, and ``merge``: ``merge_with`` the scores of the state as built), and
-    ``merge_with(scores)``, the layer policy's run on the reused rows with ``scores``."""
+    ``merge_with(scores)``, the layer policy's run on the reused rows with ``scores``. The
+    shape keywords are :data:`SHARING_SHAPE`'s."""
     from rtp_llm.models_py.modules.hybrid.indexer import Indexer
     from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerAttentionInputs, IndexerFmhaParams
     from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan, SharedTopkRows
@@ -585,7 +588,7 @@ def time_sharing_layer(device: torch.device, rounds: int, warmup: int, evict: Ca
     end-to-end benchmark's sharing layers serve with ``query_group_mass`` witnesses
     (``topology_sparse_merge``, 64 witness blocks of 8 tokens, at most a quarter of ``W`` =
     1024, no sinks nor local blocks; SmolLM2's 9 query heads over 3 KV heads of 64; other
-    values through ``shape``, :func:`sharing_layer_calls`' keywords), for decode batches of
+    values through ``shape``, :data:`SHARING_SHAPE`'s keys), for decode batches of
     :data:`SHARING_BATCHES` requests, one row each at 8k tokens.
 
     ``hook``: the attention-key tracker's update, then ``Indexer._compute_topk`` on the
@@ -597,12 +600,11 @@ def time_sharing_layer(device: torch.device, rounds: int, warmup: int, evict: Ca
     """
     out = []
     gen = torch.Generator().manual_seed(0)
+    shape = {**SHARING_SHAPE, **shape}
     for B in SHARING_BATCHES:
         calls, _ = sharing_layer_calls(device, B, gen, **shape)
         times, warm = time_interleaved(calls, device, max(rounds, 20), warmup, evict)
-        row = {"batch": B, "context": shape.get("context", 8192), "width": shape.get("width", 1024),
-               "block_size": shape.get("block_size", 8), "witness_blocks": shape.get("witness_blocks", 64),
-               "share": shape.get("share", 0.25)}
+        row = {"batch": B, **{k: shape[k] for k in ("context", "width", "block_size", "witness_blocks", "share")}}
         for part in SHARING_PARTS:
             row[f"{part}_us"] = 1e3 * statistics.median(times[part])
             row[f"{part}_warm_us"] = 1e3 * statistics.median(warm[part])

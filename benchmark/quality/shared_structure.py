@@ -81,13 +81,13 @@ def measure_shared_structure(
 
         def visit(layer: LayerInputs) -> None:
             idx = layer.layer_idx
+            scores = None  # the layer's witness scores, for the exchanges: the same at every budget
             for bi, budget in enumerate(settings.budgets):
                 w = max(1, int(context * budget))
                 bar.set_postfix_str(f"ctx {context} win {wi} layer {idx} W {w}")
                 own = learned_rows_and_scores(layer, w, settings.selector_settings)
                 own_rows.setdefault(bi, {})[idx] = own
                 rows: Dict[str, torch.Tensor] = {}
-                scores = None
                 for source in sorted({plan.source(idx) for plan in plans if not plan.scans(idx)}):
                     base = own_rows[bi][source]
                     rows[OWN] = own[0]

@@ -79,8 +79,8 @@ def test_the_timed_sharing_hook_is_the_merge_of_the_reused_rows():
     # Two layers built alike: the hook on one equals, on the other, the update then the merge
     # of the reused rows with the updated tracker's scores (the parts the table times alone).
     def case():
-        return bench.sharing_layer_calls(torch.device(DEVICE), 2, torch.Generator().manual_seed(5), context=512,
-                                         width=64)
+        return bench.sharing_layer_calls(torch.device(DEVICE), 2, torch.Generator().manual_seed(5),
+                                         **{**bench.SHARING_SHAPE, "context": 512, "width": 64})
 
     (a, _), (b, merge_with) = case(), case()
     hook = a["hook"]()
