@@ -21,7 +21,8 @@ import torch
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.layer import LayerInputs
 from benchmark.quality.selector_base import Selector, SelectorSettings, learned_rows_and_scores
-from benchmark.quality.witness_exchange import exchange_rows, parse_exchange_setting
+from benchmark.quality.witness_exchange import (CheckedExchange, checked_exchange_rows, exchange_rows,
+                                                parse_any_exchange_setting)
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     SettingKind,
     WitnessSignal,
@@ -99,7 +100,7 @@ class _PolicySettingsMethods:
             raise UsageError(f"--policy-witness-signal: {exc}") from exc
         structure_layer_set(self.structure_layers)
         if self.witness_exchange:
-            parse_exchange_setting(self.witness_exchange, self.max_structural_fraction, "witness_exchange")
+            parse_any_exchange_setting(self.witness_exchange, self.max_structural_fraction, "witness_exchange")
         fields = {f.name for f in dataclasses.fields(self)} - {"mode_overrides"}
         for mode, pairs in self.mode_overrides:
             for key, _ in pairs:
@@ -159,11 +160,14 @@ PolicySettings.__doc__ = """Policy configuration used by every policy selector (
         a comma list of layer indices only in those layers (the others keep the rows they
         have, scanned or reused); in ``--policy-mode-settings`` the list's commas continue
         the value (``MODE:structure_layers=1,17,witness_blocks=64``)
-    witness_exchange : ``MARGIN:PROTECT`` (e.g. ``2:1/2``), or empty (default): instead of the
-        mode's merge, the mass-gated exchange of :mod:`benchmark.quality.witness_exchange`
-        into the base rows, at most ``max_structural_fraction`` of ``W`` swapped, ranked by
-        the witness signal (not ``recency``); witnesses only (``sink_tokens=0``,
-        ``local_blocks=0``). Harness only: serving has no exchange
+    witness_exchange : ``MARGIN:PROTECT`` (e.g. ``2:1/2``), ``checked:MARGIN`` (e.g.
+        ``checked:1``), or empty (default): instead of the mode's merge, an exchange of
+        :mod:`benchmark.quality.witness_exchange` into the base rows, at most
+        ``max_structural_fraction`` of ``W`` swapped; witnesses only (``sink_tokens=0``,
+        ``local_blocks=0``). ``MARGIN:PROTECT``: the mass-gated exchange, ranked by the witness
+        signal (not ``recency``); ``checked:MARGIN``: the checked block exchange (exact
+        in-row masses, a Jensen bound for whole blocks; plain causal logits only). Harness
+        only: serving has no exchange
     mode_overrides : ``((mode, ((field, value), ...)), ...)``: settings that differ for one
         mode (e.g. ``topology_only`` with smaller blocks), applied by :meth:`for_mode`
     """
@@ -293,17 +297,27 @@ def make_policy_selector(
         raise UsageError(f"--selectors: policy mode {mode!r} is disabled (it returns the learned rows: use 'learned')")
     exchange = None
     if policy_settings.witness_exchange:
-        exchange = parse_exchange_setting(policy_settings.witness_exchange, config.max_structural_fraction,
-                                          f"witness_exchange ({mode})")
+        exchange = parse_any_exchange_setting(policy_settings.witness_exchange, config.max_structural_fraction,
+                                              f"witness_exchange ({mode})")
         if config.sink_tokens != 0 or config.local_blocks != 0:
             raise UsageError(f"witness_exchange ({mode}): expected witnesses only (sink_tokens=0, local_blocks=0), "
                              f"got sink_tokens={config.sink_tokens}, local_blocks={config.local_blocks}")
-        if WitnessSignal.parse(policy_settings.witness_signal) is WitnessSignal.RECENCY:
+        if (not isinstance(exchange, CheckedExchange)
+                and WitnessSignal.parse(policy_settings.witness_signal) is WitnessSignal.RECENCY):
             raise UsageError(f"witness_exchange ({mode}): expected a witness signal that scores blocks, got recency")
 
     def select_policy(layer: LayerInputs, width: int, stats: Dict[str, float]) -> torch.Tensor:
         rows, scores = base_rows(layer, width)
         T = rows.shape[0]
+        if isinstance(exchange, CheckedExchange):
+            if layer.softcap is not None or layer.allowed is not None:
+                raise UsageError(f"witness_exchange ({mode}) checked: expected plain causal logits (its bound is "
+                                 f"for them), got layer {layer.layer_idx} with softcap={layer.softcap}, "
+                                 f"a mask: {layer.allowed is not None}")
+            out, swaps = checked_exchange_rows(rows, layer.lengths, layer.query, layer.key, layer.scaling,
+                                               config.block_size, exchange, layer.query_chunk)
+            stats["exchange_swaps"] = stats.get("exchange_swaps", 0) + int(swaps.sum())
+            return out
         witness, shared = layer_witness_scores(layer, config.block_size, policy_settings.witness_signal)
         if exchange is not None:
             out, swaps = exchange_rows(rows, layer.lengths, witness, config.block_size, exchange)

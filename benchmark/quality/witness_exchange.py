@@ -137,3 +137,127 @@ def exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, block_scores: torch
     out = r.clone()
     out.scatter_(1, order, torch.where(take, best_pos, r.gather(1, order)))
     return out.to(torch.int32), take.sum(dim=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedExchange:
+    """The checked block exchange (:func:`checked_exchange_rows`): ``cap``, most entries
+    swapped, a share of ``W``; ``margin``: a block goes in only when a lower bound on its mass
+    exceeds ``margin`` times the exact mass of the entries it replaces."""
+
+    cap: Fraction
+    margin: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.cap <= 1:
+            raise ValueError(f"cap: expected a share of W in (0, 1], got {self.cap}")
+        if not (self.margin >= 0 and self.margin < float("inf")):
+            raise ValueError(f"margin: expected a finite number >= 0, got {self.margin}")
+
+    @property
+    def name(self) -> str:
+        return f"checked:{self.cap}:{self.margin:g}"
+
+
+CHECKED = "checked"
+
+
+def parse_any_exchange_setting(text: str, cap: float, where: str):
+    """``witness_exchange``: ``MARGIN:PROTECT`` (:class:`Exchange`) or ``checked:MARGIN``
+    (:class:`CheckedExchange`), capped at ``cap``; :class:`UsageError` naming ``where``."""
+    head, _, rest = text.partition(":")
+    if head.strip() != CHECKED:
+        return parse_exchange_setting(text, cap, where)
+    try:
+        margin = float(rest)
+    except ValueError:
+        raise UsageError(f"{where}: expected checked:MARGIN (e.g. checked:1), got {text!r}") from None
+    try:
+        return CheckedExchange(Fraction(cap).limit_denominator(1 << 16), margin)
+    except ValueError as exc:
+        raise UsageError(f"{where} {text!r}: {exc}") from None
+
+
+def checked_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                          scaling: float, block_size: int, exchange: CheckedExchange,
+                          query_chunk: int = 256) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, swaps)``: the reused rows after whole blocks are swapped in where a bound says
+    they gain, and int64 ``[T]`` entries swapped per row. The inputs are not modified.
+
+    Per row and query head ``h``, masses are normalised over the row's own entries
+    (``exp(l - logsumexp_row(l))``, ``l`` the scaled logit) and summed over the heads:
+
+    * an entry's mass is exact: its logit is what the sparse attention computes anyway;
+    * a block's outsiders (its tokens below the row's length, not in the row) have the mean
+      logit ``(q . sum of the block's keys - the in-row tokens' logits) / n_out`` (the first
+      term is what a centroid table gives), and by Jensen at least ``n_out * exp(mean)`` mass.
+
+    Blocks go in whole, the densest bound per token first, each for the row's least-mass
+    entries, while the block's bound exceeds ``margin`` times the mass of the entries it
+    replaces and at most ``cap * W`` entries are swapped. With ``margin >= 1`` the row's mass
+    (so normalised) never falls. Rows no longer than ``W`` are returned as they are.
+
+    ``rows``: int32 ``[T, W]``, ``-1`` padding; ``lengths``: ``[T]``; ``query``: fp32 ``[H, T, D]``
+    post-RoPE; ``key``: ``[Hkv, L, D]`` (query head ``h`` reads KV head ``h // (H // Hkv)``).
+    """
+    T, W = rows.shape
+    H, Tq, D = query.shape
+    Hkv, L, _ = key.shape
+    if lengths.shape != (T,) or Tq != T:
+        raise ValueError(f"lengths, query: expected {T} rows like rows, got {tuple(lengths.shape)}, {Tq}")
+    if H % Hkv:
+        raise ValueError(f"query heads {H} is not a multiple of key heads {Hkv}")
+    cap = int(exchange.cap * W)
+    out = rows.clone()
+    swaps = torch.zeros(T, dtype=torch.int64, device=rows.device)
+    if T == 0 or cap == 0:
+        return out, swaps
+    N = -(-L // block_size)
+    keys = key.to(torch.float32).repeat_interleave(H // Hkv, dim=0)  # [H, L, D]
+    pos = torch.arange(L, device=rows.device)
+    blk = pos // block_size
+    ninf = torch.tensor(float("-inf"), device=rows.device)
+    for t0 in range(0, T, query_chunk):
+        t1 = min(T, t0 + query_chunk)
+        n = lengths[t0:t1].to(torch.int64)
+        r = rows[t0:t1].to(torch.int64)
+        Tc = t1 - t0
+        valid = r >= 0
+        in_row = torch.zeros(Tc, L + 1, dtype=torch.bool, device=rows.device)
+        in_row.scatter_(1, torch.where(valid, r, L), True)
+        in_row = in_row[:, :L]
+        logit = torch.matmul(query[:, t0:t1].to(torch.float32), keys.transpose(1, 2)) * scaling  # [H, Tc, L]
+        log_z = torch.logsumexp(logit.masked_fill(~in_row, float("-inf")), dim=2, keepdim=True)  # [H, Tc, 1]
+        mass = torch.exp(logit - log_z).masked_fill(~in_row, 0.0).sum(0)  # [Tc, L]
+        outs = (pos.unsqueeze(0) < n.unsqueeze(1)) & ~in_row  # [Tc, L]
+        n_out = torch.zeros(Tc, N, device=rows.device).index_add_(1, blk, outs.to(torch.float32))
+        sum_out = torch.zeros(H, Tc, N, device=rows.device).index_add_(2, blk, logit.masked_fill(~outs, 0.0))
+        mean_out = sum_out / n_out.clamp(min=1)
+        bound = (n_out * torch.exp((mean_out - log_z).clamp(max=80.0))).sum(0)  # [Tc, N]
+        density = torch.where(n_out > 0, bound / n_out.clamp(min=1), ninf)
+        order_b = density.argsort(dim=1, descending=True, stable=True)
+        n_sorted = n_out.gather(1, order_b).to(torch.int64)
+        bound_sorted = bound.gather(1, order_b)
+        used = n_sorted.cumsum(1)  # entries taken after each block
+        # The row's entries, least mass first; padding never goes (finite, above any mass).
+        m_in = torch.where(valid, mass.gather(1, r.clamp(min=0)), torch.full_like(mass[:, :1], 1e30))
+        order_e = m_in.argsort(dim=1, stable=True)
+        m_cum = torch.cat([torch.zeros(Tc, 1, device=rows.device), m_in.gather(1, order_e).cumsum(1)], dim=1)
+        evicted = m_cum.gather(1, used.clamp(max=W)) - m_cum.gather(1, (used - n_sorted).clamp(max=W))
+        gains = (bound_sorted > exchange.margin * evicted) & (n_sorted > 0) & (used <= cap)
+        # Densities fall and evicted masses rise along the blocks: take the prefix that gains.
+        take = gains.to(torch.int64).cumprod(1).bool() & (n > W).unsqueeze(1)
+        k = (take.to(torch.int64) * n_sorted).sum(1)  # [Tc]
+        taken = torch.zeros(Tc, N, dtype=torch.bool, device=rows.device).scatter_(1, order_b, take)
+        new = outs & taken[:, blk]
+        new_pos = torch.where(new, pos.unsqueeze(0), L).sort(dim=1).values[:, :cap]
+        if new_pos.shape[1] < cap:
+            new_pos = torch.cat([new_pos, torch.full((Tc, cap - new_pos.shape[1]), L, device=rows.device)], dim=1)
+        slots = order_e[:, :cap]
+        j = torch.arange(cap, device=rows.device).unsqueeze(0)
+        src = torch.where(j < k.unsqueeze(1), new_pos, r.gather(1, slots))
+        chunk = r.clone()
+        chunk.scatter_(1, slots, src)
+        out[t0:t1] = chunk.to(rows.dtype)
+        swaps[t0:t1] = k
+    return out, swaps

@@ -4,6 +4,7 @@ a new forward starting over, and the names (synthetic layer inputs, no model).""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from fractions import Fraction
 import re
@@ -365,3 +366,37 @@ def test_listed_structure_layers_must_be_the_models():
     with pytest.raises(UsageError, match=re.escape("structure_layers (topology_sparse_merge): expected sparse layers "
                                                    "of the model [0, 1, 2, 3], got [40, 41]")):
         check_structure_layers(policy, [0, 1, 2, 3])
+
+
+def test_the_checked_exchange_replaces_the_merge_in_the_sharing_layers():
+    from benchmark.quality.cli import parse_mode_settings
+    from benchmark.quality.policy_selectors import PolicySettings
+    from benchmark.quality.witness_exchange import CheckedExchange, checked_exchange_rows
+
+    width = 320
+    layers = [synthetic_layer(40 + i, layer_idx=x, T=640) for i, x in enumerate((2, 5, 7, 9))]
+    base = "topology_sparse_merge:block_size=8,local_blocks=0,sink_tokens=0,max_structural_fraction=0.25," \
+           "structure_layers=sharing"
+    select = make_selector("learned-shared:2+topology_sparse_merge", SETTINGS,
+                           PolicySettings(mode_overrides=parse_mode_settings([base + ",witness_exchange=checked:1"])))
+    plain = make_selector("learned-shared:2", SETTINGS)
+    swapped = 0
+    for i, layer in enumerate(layers):
+        stats = {}
+        got, rows = select(layer, width, stats), plain(layer, width, {})
+        if i % 2 == 0:  # a scanning layer keeps its own rows
+            assert torch.equal(got, rows) and not stats
+            continue
+        want, swaps = checked_exchange_rows(rows, layer.lengths, layer.query, layer.key, layer.scaling, 8,
+                                            CheckedExchange(Fraction(1, 4), 1.0))
+        assert torch.equal(got, want) and stats["exchange_swaps"] == int(swaps.sum())
+        check_engine_rows(got, layer.lengths, width)
+        swapped += stats["exchange_swaps"]
+    assert swapped > 0
+    soft = dataclasses.replace(layers[1], softcap=50.0)
+    select(layers[0], width, {})  # a new window: its scanning layer first
+    with pytest.raises(UsageError, match=r"checked: expected plain causal logits .* layer 5 with softcap=50.0"):
+        select(soft, width, {})
+    with pytest.raises(UsageError, match=r"witness_exchange: expected checked:MARGIN \(e.g. checked:1\), got "
+                                         r"'checked:x'"):
+        PolicySettings(witness_exchange="checked:x")

@@ -1,0 +1,171 @@
+"""The checked block exchange (``checked_exchange_rows`` in ``benchmark/quality/witness_exchange.py``):
+a row by hand, a plain per-row reference over random shapes with its invariants (the row's
+mass never falls at margin >= 1), and the setting's errors."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import assume, given, settings, strategies as st
+
+from benchmark.quality.errors import UsageError
+from benchmark.quality.witness_exchange import (CheckedExchange, Exchange, checked_exchange_rows,
+                                                parse_any_exchange_setting)
+
+F = Fraction
+# One head, one dimension, query 1: each key is its logit. Blocks of two: {0,1} {2,3} {4,5} {6,7}.
+KEYS = torch.tensor([[[0.0], [0.0], [0.0], [-0.5], [3.0], [3.0], [-5.0], [1.0]]])
+QUERY = torch.ones(1, 2, 1)
+ROWS = torch.tensor([[0, 1, 2, 7], [0, 1, 2, -1]], dtype=torch.int32)
+LENGTHS = torch.tensor([8, 3])
+
+
+@pytest.mark.parametrize("cap, margin, expected, swaps", [
+    # Row mass: 0, 0, 0 (1/Z each) and 1 (e/Z), Z = 3 + e. Block {4,5} is outside, its bound
+    # 2 e^3 / Z against the two least entries 2 / Z: it goes in for row slots 0 and 1.
+    # Block {2,3}'s outsider 3 (bound e^-0.5/Z) would then need a third slot: over the cap of 2.
+    (F(1, 2), 1.0, [4, 5, 2, 7], 2),
+    # Cap 3: 3 (e^-0.5/Z) against entry 2 (1/Z) does not gain at margin 1 ...
+    (F(3, 4), 1.0, [4, 5, 2, 7], 2),
+    # ... and does at margin 1/2 (e^-0.5 > 1/2); block {6,7}'s outsider 6 (e^-5/Z) would need a fourth slot.
+    (F(3, 4), 0.5, [4, 5, 3, 7], 3),
+    # 2 e^3 is not above 30 x 2: nothing moves.
+    (F(1, 2), 30.0, [0, 1, 2, 7], 0),
+])
+def test_a_row_by_hand(cap, margin, expected, swaps):
+    before = (ROWS.clone(), KEYS.clone(), QUERY.clone())
+    out, n = checked_exchange_rows(ROWS, LENGTHS, QUERY, KEYS, 1.0, 2, CheckedExchange(cap, margin))
+    assert all(torch.equal(a, b) for a, b in zip(before, (ROWS, KEYS, QUERY)))
+    assert out.dtype == torch.int32 and n.tolist() == [swaps, 0]
+    assert sorted(out[0].tolist()) == sorted(expected)  # the engine reads a row as a set
+    assert out[0, 3] == 7  # the entry of the most mass stays in its slot
+    assert out[1].tolist() == [0, 1, 2, -1]  # a row no longer than W holds every token already
+
+
+def test_the_bound_is_jensens_not_the_blocks_mass():
+    # Block {4,5} with logits 4 and 2 has mass e^4 + e^2 but the bound 2 e^3 (its mean logit):
+    # at margin 2 e^3 / 2 (two entries of mass 1 each, Z cancels) it stays out, just.
+    keys = KEYS.clone()
+    keys[0, 4, 0], keys[0, 5, 0] = 4.0, 2.0
+    tight = 2 * math.exp(3) / 2
+    out, n = checked_exchange_rows(ROWS[:1], LENGTHS[:1], QUERY[:, :1], keys, 1.0, 2,
+                                   CheckedExchange(F(1, 2), tight * 1.001))
+    assert n.tolist() == [0] and out[0].tolist() == [0, 1, 2, 7]
+    out, n = checked_exchange_rows(ROWS[:1], LENGTHS[:1], QUERY[:, :1], keys, 1.0, 2,
+                                   CheckedExchange(F(1, 2), tight * 0.999))
+    assert n.tolist() == [2] and out[0].tolist() == [4, 5, 2, 7]
+
+
+def reference(rows, lengths, query, key, scaling, block, ex):
+    """Per row, in float64 with plain loops: (rows, swaps, closest decision's relative margin)."""
+    T, W = rows.shape
+    H, _, _ = query.shape
+    Hkv, L, _ = key.shape
+    group = H // Hkv
+    cap = int(ex.cap * W)
+    out, swaps, closest = rows.clone(), [], float("inf")
+    for t in range(T):
+        n, row = int(lengths[t]), [int(x) for x in rows[t]]
+        if n <= W or cap == 0:
+            swaps.append(0)
+            continue
+        logit = [[float(query[h, t].double() @ key[h // group, j].double()) * scaling for j in range(L)]
+                 for h in range(H)]
+        log_z = [math.log(sum(math.exp(logit[h][j]) for j in row)) for h in range(H)]
+        mass = {j: sum(math.exp(logit[h][j] - log_z[h]) for h in range(H)) for j in row}
+        blocks = []
+        for b in range(-(-L // block)):
+            members = [j for j in range(b * block, min(L, (b + 1) * block)) if j < n and j not in mass]
+            if members:
+                bound = sum(len(members) * math.exp(sum(logit[h][j] for j in members) / len(members) - log_z[h])
+                            for h in range(H))
+                blocks.append((-bound / len(members), b, members, bound))
+        blocks.sort()
+        entries = sorted(range(W), key=lambda i: (mass[row[i]], i))  # slots, least mass first
+        used, new = 0, list(row)
+        for _, _, members, bound in blocks:
+            if used + len(members) > cap:
+                break
+            evicted = sum(mass[row[i]] for i in entries[used:used + len(members)])
+            closest = min(closest, abs(bound - ex.margin * evicted) / max(bound, ex.margin * evicted, 1e-30))
+            if not bound > ex.margin * evicted:
+                break
+            for i, j in zip(entries[used:used + len(members)], members):
+                new[i] = j
+            used += len(members)
+        out[t] = torch.tensor(new, dtype=rows.dtype)
+        swaps.append(used)
+    return out, swaps, closest
+
+
+@st.composite
+def cases(draw):
+    T = draw(st.integers(1, 5))
+    W = draw(st.integers(1, 10))
+    block = draw(st.integers(1, 5))
+    Hkv = draw(st.integers(1, 2))
+    H = Hkv * draw(st.integers(1, 3))
+    D = draw(st.integers(1, 4))
+    L = draw(st.integers(1, 28))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    lengths = torch.arange(L - T + 1, L + 1).clamp(min=1) if T <= L else torch.full((T,), L)
+    rows = torch.full((T, W), -1, dtype=torch.int32)
+    for t, n in enumerate(lengths.tolist()):
+        if n <= W:
+            rows[t, :n] = torch.arange(n, dtype=torch.int32)
+        else:
+            rows[t] = torch.randperm(n, generator=gen)[:W].to(torch.int32)
+    query = torch.randn(H, T, D, generator=gen) * draw(st.sampled_from([0.5, 2.0]))
+    key = torch.randn(Hkv, L, D, generator=gen)
+    ex = CheckedExchange(F(draw(st.integers(1, 8)), 8), draw(st.sampled_from([0.0, 0.5, 1.0, 2.0, 10.0])))
+    return rows, lengths, query, key, block, ex, draw(st.integers(1, 4))
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_checked_exchange_matches_the_reference(case):
+    rows, lengths, query, key, block, ex, chunk = case
+    before = (rows.clone(), lengths.clone(), query.clone(), key.clone())
+    out, swaps = checked_exchange_rows(rows, lengths, query, key, 0.7, block, ex, query_chunk=chunk)
+    assert all(torch.equal(a, b) for a, b in zip(before, (rows, lengths, query, key)))
+    want, want_swaps, closest = reference(rows, lengths, query, key, 0.7, block, ex)
+    assume(closest > 1e-4)  # float32 against float64: no decision on a knife's edge
+    T, W = rows.shape
+    assert swaps.tolist() == want_swaps
+    H, Hkv = query.shape[0], key.shape[0]
+    for t in range(T):
+        n, old, new = int(lengths[t]), rows[t].tolist(), out[t].tolist()
+        assert sorted(new) == sorted(want[t].tolist())
+        if n <= W:
+            assert new == old
+            continue
+        assert len(set(new)) == W and all(0 <= x < n for x in new)  # engine rows: distinct, causal
+        came = set(new) - set(old)
+        assert len(came) == len(set(old) - set(new)) == swaps[t] <= int(ex.cap * W)
+        for b in {x // block for x in came}:  # blocks go in whole: every outsider of a taken block
+            assert all(x in came for x in range(b * block, min(n, (b + 1) * block)) if x not in set(old))
+        if ex.margin >= 1:  # the row's mass, normalised over the old row per head, never falls
+            logit = torch.einsum("hd,hld->hl", query[:, t].double(),
+                                 key.double().repeat_interleave(H // Hkv, dim=0)) * 0.7
+            log_z = torch.logsumexp(logit[:, old], dim=1, keepdim=True)
+            assert torch.exp(logit[:, new] - log_z).sum() >= torch.exp(logit[:, old] - log_z).sum() - 1e-9
+
+
+@pytest.mark.parametrize("text, message", [
+    ("checked:x", "expected checked:MARGIN (e.g. checked:1), got 'checked:x'"),
+    ("checked:-1", "margin: expected a finite number >= 0, got -1.0"),
+    ("checked:inf", "margin: expected a finite number >= 0, got inf"),
+])
+def test_bad_settings_name_the_setting(text, message):
+    with pytest.raises(UsageError, match="witness_exchange") as err:
+        parse_any_exchange_setting(text, 0.25, "witness_exchange")
+    assert message in str(err.value)
+
+
+def test_the_setting_picks_the_exchange():
+    assert parse_any_exchange_setting("checked:2", 0.25, "w") == CheckedExchange(F(1, 4), 2.0)
+    assert parse_any_exchange_setting("checked:2", 0.25, "w").name == "checked:1/4:2"
+    assert parse_any_exchange_setting("2:1/2", 0.25, "w") == Exchange(F(1, 4), 2.0, F(1, 2))
