@@ -27,6 +27,7 @@ from typing import Tuple
 
 import torch
 
+from benchmark.candidates.checked_exchange import take_blocks
 from benchmark.quality.errors import UsageError
 
 
@@ -216,7 +217,6 @@ def checked_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: torc
     keys = key.to(torch.float32).repeat_interleave(H // Hkv, dim=0)  # [H, L, D]
     pos = torch.arange(L, device=rows.device)
     blk = pos // block_size
-    ninf = torch.tensor(float("-inf"), device=rows.device)
     for t0 in range(0, T, query_chunk):
         t1 = min(T, t0 + query_chunk)
         n = lengths[t0:t1].to(torch.int64)
@@ -234,30 +234,8 @@ def checked_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: torc
         sum_out = torch.zeros(H, Tc, N, device=rows.device).index_add_(2, blk, logit.masked_fill(~outs, 0.0))
         mean_out = sum_out / n_out.clamp(min=1)
         bound = (n_out * torch.exp((mean_out - log_z).clamp(max=80.0))).sum(0)  # [Tc, N]
-        density = torch.where(n_out > 0, bound / n_out.clamp(min=1), ninf)
-        order_b = density.argsort(dim=1, descending=True, stable=True)
-        n_sorted = n_out.gather(1, order_b).to(torch.int64)
-        bound_sorted = bound.gather(1, order_b)
-        used = n_sorted.cumsum(1)  # entries taken after each block
-        # The row's entries, least mass first; padding never goes (finite, above any mass).
-        m_in = torch.where(valid, mass.gather(1, r.clamp(min=0)), torch.full_like(mass[:, :1], 1e30))
-        order_e = m_in.argsort(dim=1, stable=True)
-        m_cum = torch.cat([torch.zeros(Tc, 1, device=rows.device), m_in.gather(1, order_e).cumsum(1)], dim=1)
-        evicted = m_cum.gather(1, used.clamp(max=W)) - m_cum.gather(1, (used - n_sorted).clamp(max=W))
-        gains = (bound_sorted > exchange.margin * evicted) & (n_sorted > 0) & (used <= cap)
-        # Densities fall and evicted masses rise along the blocks: take the prefix that gains.
-        take = gains.to(torch.int64).cumprod(1).bool() & (n > W).unsqueeze(1)
-        k = (take.to(torch.int64) * n_sorted).sum(1)  # [Tc]
-        taken = torch.zeros(Tc, N, dtype=torch.bool, device=rows.device).scatter_(1, order_b, take)
-        new = outs & taken[:, blk]
-        new_pos = torch.where(new, pos.unsqueeze(0), L).sort(dim=1).values[:, :cap]
-        if new_pos.shape[1] < cap:
-            new_pos = torch.cat([new_pos, torch.full((Tc, cap - new_pos.shape[1]), L, device=rows.device)], dim=1)
-        slots = order_e[:, :cap]
-        j = torch.arange(cap, device=rows.device).unsqueeze(0)
-        src = torch.where(j < k.unsqueeze(1), new_pos, r.gather(1, slots))
-        chunk = r.clone()
-        chunk.scatter_(1, slots, src)
+        k, chunk = take_blocks(r, mass.gather(1, r.clamp(min=0)), bound, n_out, outs, n, exchange.margin, cap,
+                                block_size)
         out[t0:t1] = chunk.to(rows.dtype)
         swaps[t0:t1] = k
     return out, swaps

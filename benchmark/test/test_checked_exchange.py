@@ -169,3 +169,38 @@ def test_the_setting_picks_the_exchange():
     assert parse_any_exchange_setting("checked:2", 0.25, "w") == CheckedExchange(F(1, 4), 2.0)
     assert parse_any_exchange_setting("checked:2", 0.25, "w").name == "checked:1/4:2"
     assert parse_any_exchange_setting("2:1/2", 0.25, "w") == Exchange(F(1, 4), 2.0, F(1, 2))
+
+
+@settings(max_examples=100, deadline=None)
+@given(cases())
+def test_the_decode_shape_matches_the_harness(case):
+    """Each row its own request at its full length (a decode step): the block-sum formulation
+    of ``benchmark/candidates/checked_exchange.py`` chooses what the full-logit one does."""
+    from benchmark.candidates.checked_exchange import checked_exchange_decode
+
+    rows, lengths, query, key, block, ex, _ = case
+    T, W = rows.shape
+    H, _, D = query.shape
+    Hkv, L, _ = key.shape
+    N = -(-L // block)
+    keys = torch.zeros(T, L, Hkv * D)
+    sums, counts = torch.zeros(T, N, Hkv * D), torch.zeros(T, N)
+    for t in range(T):  # request t holds exactly the keys below row t's length
+        n = int(lengths[t])
+        keys[t, :n] = key[:, :n].transpose(0, 1).reshape(n, Hkv * D)
+        for j in range(n):
+            sums[t, j // block] += keys[t, j]
+            counts[t, j // block] += 1
+    queries = query.transpose(0, 1) * 0.7  # [T, H, D], times the softmax scale
+    before = (rows.clone(), keys.clone(), sums.clone(), queries.clone())
+    cap = int(ex.cap * W)
+    got, swaps = checked_exchange_decode(rows, lengths, queries, keys, sums, counts, torch.arange(T), block,
+                                         ex.margin, cap)
+    assert all(torch.equal(a, b) for a, b in zip(before, (rows, keys, sums, queries)))
+    for t in range(T):
+        n = int(lengths[t])
+        want, want_swaps, closest = reference(rows[t:t + 1], lengths[t:t + 1], query[:, t:t + 1], key[:, :n], 0.7,
+                                              block, ex)
+        if closest > 1e-4:  # float32 against float64: no decision on a knife's edge
+            assert int(swaps[t]) == want_swaps[0]
+            assert sorted(got[t].tolist()) == sorted(want[0].tolist())
