@@ -31,7 +31,8 @@ A last table times the served ``query_group_mass`` witness scores per layer call
 call on CPU, beside their torch reference; SmolLM2's attention shape at 8-token blocks, 8k)
 with the bytes each call must read and the rate reached (JSON key ``witness_scores``). The
 last one times a sharing layer's whole policy hook with those witnesses (key tracker update,
-scores, merge) and each part alone (JSON key ``sharing_layer``).
+scores, merge) and each part alone, with the checked block exchange that would replace the
+scores and the merge beside them (JSON key ``sharing_layer``).
 
 Input rows are synthetic but valid: ``W`` unique positions per row spread over ``[0, L)``
 in random order (the engine's top-k order is arbitrary), drift scores and learned scores
@@ -521,6 +522,9 @@ SHARING_BATCHES = (1, 8, 64)  # decode rows per layer call (one row per request)
 SHARING_SHAPE = dict(heads=9, kv_heads=3, head_dim=64, context=8192, width=1024, block_size=8, witness_blocks=64,
                      share=0.25)
 SHARING_PARTS = ("hook", "update", "scores", "merge")
+# Timed beside the parts, not in the hook: the checked block exchange, which would replace
+# the scores and the merge (benchmark/candidates/checked_exchange.py).
+SHARING_ALTERNATIVES = ("checked",)
 
 
 def sharing_layer_calls(device: torch.device, batch: int, gen: torch.Generator, *, heads: int, kv_heads: int,
@@ -529,8 +533,11 @@ def sharing_layer_calls(device: torch.device, batch: int, gen: torch.Generator, 
     """``(calls, merge_with)`` on one layer's state for ``batch`` requests (random keys, reused
     rows and queries from ``gen``): the calls :func:`time_sharing_layer` times (``hook``,
     ``update``, ``scores``, and ``merge``: ``merge_with`` the scores of the state as built), and
-    ``merge_with(scores)``, the layer policy's run on the reused rows with ``scores``. The
+    ``merge_with(scores)``, the layer policy's run on the reused rows with ``scores``; beside
+    them ``checked``, the checked block exchange on the same rows (each request's keys in a
+    ``[B, L, Hkv * D]`` cache, the tracker's block sums, at most ``share`` of ``W`` swapped). The
     shape keywords are :data:`SHARING_SHAPE`'s."""
+    from benchmark.candidates.checked_exchange import checked_exchange_decode
     from rtp_llm.models_py.modules.hybrid.indexer import Indexer
     from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerAttentionInputs, IndexerFmhaParams
     from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan, SharedTopkRows
@@ -578,8 +585,16 @@ def sharing_layer_calls(device: torch.device, batch: int, gen: torch.Generator, 
     def merge_with(witness_scores: torch.Tensor):
         return indexer.topology_layer.run(rows, lengths, None, witness_scores, None)
 
+    cache = torch.randn(B, context + 1, K, generator=gen).to(device)
+    cap = int(share * width)
+
+    def checked():
+        return checked_exchange_decode(rows, lengths, queries, cache, tracker.block_sums(), tracker.block_counts(),
+                                       request_ids, block_size, 1.0, cap)
+
     built = scores()
-    return {"hook": hook, "update": update, "scores": scores, "merge": lambda: merge_with(built)}, merge_with
+    return {"hook": hook, "update": update, "scores": scores, "merge": lambda: merge_with(built),
+            "checked": checked}, merge_with
 
 
 def time_sharing_layer(device: torch.device, rounds: int, warmup: int, evict: Callable[[], None],
@@ -597,6 +612,8 @@ def time_sharing_layer(device: torch.device, rounds: int, warmup: int, evict: Ca
     (``tracker_query_group_mass_scores_unchecked``, the witness scores the hook computes)
     and ``merge`` (the layer policy's ``run`` on the rows with such scores). ``rest``, the
     hook less the three parts, is the hook's own work (argument handling, the row-to-request map).
+    ``checked`` (:data:`SHARING_ALTERNATIVES`): the checked block exchange at margin 1, which
+    would replace ``scores`` and ``merge``.
     """
     out = []
     gen = torch.Generator().manual_seed(0)
@@ -605,7 +622,7 @@ def time_sharing_layer(device: torch.device, rounds: int, warmup: int, evict: Ca
         calls, _ = sharing_layer_calls(device, B, gen, **shape)
         times, warm = time_interleaved(calls, device, max(rounds, 20), warmup, evict)
         row = {"batch": B, **{k: shape[k] for k in ("context", "width", "block_size", "witness_blocks", "share")}}
-        for part in SHARING_PARTS:
+        for part in SHARING_PARTS + SHARING_ALTERNATIVES:
             row[f"{part}_us"] = 1e3 * statistics.median(times[part])
             row[f"{part}_warm_us"] = 1e3 * statistics.median(warm[part])
         row["rest_us"] = row["hook_us"] - sum(row[f"{p}_us"] for p in SHARING_PARTS[1:])
@@ -663,13 +680,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     sharing = time_sharing_layer(args.device, args.rounds, args.warmup, evict)
     print("\na sharing layer's policy hook per decode step (hook: key tracker update + Indexer._compute_topk on the "
           "reused rows, as the e2e serves query_group_mass witnesses; its parts alone; rest: hook - parts; SmolLM2's "
-          "9 over 3 heads of 64, 8k, W 1024, 64 witness blocks of 8 at most a quarter of W; cold, warm beside)")
+          "9 over 3 heads of 64, 8k, W 1024, 64 witness blocks of 8 at most a quarter of W; cold, warm beside; "
+          "checked: the checked block exchange that would replace scores + merge, not in the hook)")
     print("batch\thook_us\tupdate_us\tscores_us\tmerge_us\trest_us\thook_warm_us\tupdate_warm_us\tscores_warm_us\t"
-          "merge_warm_us")
+          "merge_warm_us\tchecked_us\tchecked_warm_us")
     for t in sharing:
         print("\t".join([str(t["batch"])] + [f"{t[k]:.1f}" for k in (
             "hook_us", "update_us", "scores_us", "merge_us", "rest_us", "hook_warm_us", "update_warm_us",
-            "scores_warm_us", "merge_warm_us")]))
+            "scores_warm_us", "merge_warm_us", "checked_us", "checked_warm_us")]))
     if args.json:
         path = args.json
         if not os.path.isabs(path) and os.environ.get("BUILD_WORKING_DIRECTORY"):

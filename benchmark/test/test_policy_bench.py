@@ -67,10 +67,11 @@ def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
     sharing = witness[2 + m + 1:]
     assert sharing[0].startswith("a sharing layer's policy hook per decode step")
     assert sharing[1].split("\t") == ["batch", "hook_us", "update_us", "scores_us", "merge_us", "rest_us",
-                                       "hook_warm_us", "update_warm_us", "scores_warm_us", "merge_warm_us"]
+                                       "hook_warm_us", "update_warm_us", "scores_warm_us", "merge_warm_us",
+                                       "checked_us", "checked_warm_us"]
     assert [line.split("\t")[0] for line in sharing[2:]] == [str(b) for b in bench.SHARING_BATCHES]
     for t in payload["sharing_layer"]:
-        assert all(t[f"{p}_us"] > 0 and t[f"{p}_warm_us"] > 0 for p in bench.SHARING_PARTS)
+        assert all(t[f"{p}_us"] > 0 and t[f"{p}_warm_us"] > 0 for p in bench.SHARING_PARTS + bench.SHARING_ALTERNATIVES)
         assert t["rest_us"] == pytest.approx(t["hook_us"] - t["update_us"] - t["scores_us"] - t["merge_us"])
         assert (t["width"], t["block_size"], t["witness_blocks"], t["share"]) == (1024, 8, 64, 0.25)
 
@@ -91,6 +92,10 @@ def test_the_timed_sharing_hook_is_the_merge_of_the_reused_rows():
     assert torch.equal(hook, merged.indices)
     assert merged.counters.to_dict()["structural_injected_tokens"] > 0  # witnesses went in
     for r in hook.tolist():  # rows of 64 from 513 tokens, distinct
+        assert len(r) == len(set(r)) == 64 and all(0 <= x <= 512 for x in r)
+    checked, swaps = a["checked"]()  # the checked exchange on the same rows: at most a quarter of W swapped
+    assert 0 < int(swaps.min()) and int(swaps.max()) <= 16
+    for r in checked.tolist():
         assert len(r) == len(set(r)) == 64 and all(0 <= x <= 512 for x in r)
 
 
