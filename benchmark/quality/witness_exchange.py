@@ -215,27 +215,44 @@ def checked_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: torc
         return out, swaps
     N = -(-L // block_size)
     keys = key.to(torch.float32).repeat_interleave(H // Hkv, dim=0)  # [H, L, D]
+    padded = torch.zeros(H, N * block_size, D, device=key.device)
+    padded[:, :L] = keys
+    key_sums = padded.view(H, N, block_size, D).sum(2)  # [H, N, D]: the block key-sum table
     pos = torch.arange(L, device=rows.device)
-    blk = pos // block_size
+    first = torch.arange(N, device=rows.device) * block_size
+    tail = torch.arange(1, block_size, device=rows.device)
     for t0 in range(0, T, query_chunk):
         t1 = min(T, t0 + query_chunk)
         n = lengths[t0:t1].to(torch.int64)
         r = rows[t0:t1].to(torch.int64)
         Tc = t1 - t0
         valid = r >= 0
+        idx = r.clamp(min=0)
+        q = query[:, t0:t1].to(torch.float32)
+        logit = torch.matmul(q, keys.transpose(1, 2)) * scaling  # [H, Tc, L]
+        entry = logit.gather(2, idx.unsqueeze(0).expand(H, -1, -1)).masked_fill(~valid, float("-inf"))  # [H, Tc, W]
+        log_z = torch.logsumexp(entry, dim=2, keepdim=True)  # [H, Tc, 1]
+        mass = torch.exp(entry - log_z).sum(0)  # [Tc, W]; 0 at padding
+        # The logits of each block's tokens below the row's length: q . (key sum) less the
+        # tokens of the row's last block at and past its length.
+        block_logit = torch.matmul(q, key_sums.transpose(1, 2)) * scaling  # [H, Tc, N]
+        past = n.unsqueeze(1) - 1 + tail.unsqueeze(0)  # [Tc, bs - 1]
+        past_ok = (past < L) & (past // block_size == ((n - 1) // block_size).unsqueeze(1))
+        past_logit = logit.gather(2, past.clamp(max=L - 1).unsqueeze(0).expand(H, -1, -1)).masked_fill(~past_ok, 0.0)
+        last = ((n - 1) // block_size).unsqueeze(0).unsqueeze(2).expand(H, -1, 1)
+        block_logit = block_logit.scatter_add(2, last, -past_logit.sum(2, keepdim=True))
+        blk = torch.where(valid, idx // block_size, N)  # padding into a spill column
+        in_sum = torch.zeros(H, Tc, N + 1, device=rows.device).scatter_add_(
+            2, blk.unsqueeze(0).expand(H, -1, -1), entry.masked_fill(~valid, 0.0))[:, :, :N]
+        in_count = torch.zeros(Tc, N + 1, device=rows.device).scatter_add_(1, blk, valid.to(torch.float32))[:, :N]
+        visible = (n.unsqueeze(1) - first.unsqueeze(0)).clamp(0, block_size).to(torch.float32)  # [Tc, N]
+        n_out = (visible - in_count).clamp(min=0)
+        mean_out = (block_logit - in_sum) / n_out.clamp(min=1)
+        bound = (n_out * torch.exp((mean_out - log_z).clamp(max=80.0))).sum(0)  # [Tc, N]
         in_row = torch.zeros(Tc, L + 1, dtype=torch.bool, device=rows.device)
         in_row.scatter_(1, torch.where(valid, r, L), True)
-        in_row = in_row[:, :L]
-        logit = torch.matmul(query[:, t0:t1].to(torch.float32), keys.transpose(1, 2)) * scaling  # [H, Tc, L]
-        log_z = torch.logsumexp(logit.masked_fill(~in_row, float("-inf")), dim=2, keepdim=True)  # [H, Tc, 1]
-        mass = torch.exp(logit - log_z).masked_fill(~in_row, 0.0).sum(0)  # [Tc, L]
-        outs = (pos.unsqueeze(0) < n.unsqueeze(1)) & ~in_row  # [Tc, L]
-        n_out = torch.zeros(Tc, N, device=rows.device).index_add_(1, blk, outs.to(torch.float32))
-        sum_out = torch.zeros(H, Tc, N, device=rows.device).index_add_(2, blk, logit.masked_fill(~outs, 0.0))
-        mean_out = sum_out / n_out.clamp(min=1)
-        bound = (n_out * torch.exp((mean_out - log_z).clamp(max=80.0))).sum(0)  # [Tc, N]
-        k, chunk = take_blocks(r, mass.gather(1, r.clamp(min=0)), bound, n_out, outs, n, exchange.margin, cap,
-                                block_size)
+        outs = (pos.unsqueeze(0) < n.unsqueeze(1)) & ~in_row[:, :L]  # [Tc, L]
+        k, chunk = take_blocks(r, mass, bound, n_out, outs, n, exchange.margin, cap, block_size)
         out[t0:t1] = chunk.to(rows.dtype)
         swaps[t0:t1] = k
     return out, swaps
