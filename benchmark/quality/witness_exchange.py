@@ -1,4 +1,4 @@
-"""A mass-gated exchange of witness tokens into a sharing layer's reused rows (harness only).
+"""Exchanges of witness tokens into a sharing layer's reused rows (harness only): mass-gated and checked.
 
 The served merge (``topology_sparse_merge``) gives witnesses a fixed share of ``W``: the
 reused row's lowest-ranked entries make room for the best witness blocks, whether or not
@@ -13,6 +13,13 @@ exchange swaps an entry only when the layer's own estimate says it gains:
 * the other entries, least estimated mass first, are swapped against the tokens outside the
   row, most estimated mass first, while the outsider carries more than ``margin`` times the
   entry's estimate, at most ``cap * W`` of them.
+
+The checked block exchange (:func:`checked_exchange_rows`) needs no estimate for the row's
+entries, whose logits the sparse attention computes anyway: their masses are exact, and a
+block's tokens outside the row go in whole only where a lower bound on their mass (Jensen,
+from the block's key sum) beats the exact mass of the entries they replace. At 8k the
+mass-gated exchange swaps out spiky entries its centroid estimate undervalues; the checked
+one cannot (docs/results.md, "A checked block exchange").
 
 Rows no longer than ``W`` (every token already in them) are returned as they are. The rows
 stay the engine's: int32 ``[T, W]``, request-local positions, each at most once, every
