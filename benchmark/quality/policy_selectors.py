@@ -21,8 +21,8 @@ import torch
 from benchmark.quality.errors import SetupError, UsageError
 from benchmark.quality.layer import LayerInputs
 from benchmark.quality.selector_base import Selector, SelectorSettings, learned_rows_and_scores
-from benchmark.quality.witness_exchange import (CheckedExchange, checked_exchange_rows, exchange_rows,
-                                                parse_any_exchange_setting)
+from benchmark.quality.witness_exchange import (CheckedExchange, VerifiedExchange, checked_exchange_rows,
+                                                exchange_rows, parse_any_exchange_setting, verified_exchange_rows)
 from rtp_llm.models_py.modules.hybrid.topology_kv.config import (
     SettingKind,
     WitnessSignal,
@@ -161,12 +161,15 @@ PolicySettings.__doc__ = """Policy configuration used by every policy selector (
         have, scanned or reused); in ``--policy-mode-settings`` the list's commas continue
         the value (``MODE:structure_layers=1,17,witness_blocks=64``)
     witness_exchange : ``MARGIN:PROTECT`` (e.g. ``2:1/2``), ``checked:MARGIN`` (e.g.
-        ``checked:1``), or empty (default): instead of the mode's merge, an exchange of
+        ``checked:1``), ``verified:MARGIN:BLOCKS`` (e.g. ``verified:1:64``), or empty
+        (default): instead of the mode's merge, an exchange of
         :mod:`benchmark.quality.witness_exchange` into the base rows, at most
         ``max_structural_fraction`` of ``W`` swapped; witnesses only (``sink_tokens=0``,
         ``local_blocks=0``). ``MARGIN:PROTECT``: the mass-gated exchange, ranked by the witness
         signal (not ``recency``); ``checked:MARGIN``: the checked block exchange (exact
-        in-row masses, a Jensen bound for whole blocks; plain causal logits only). Harness
+        in-row masses, a Jensen bound for whole blocks; plain causal logits only);
+        ``verified:MARGIN:BLOCKS``: the verified token exchange (exact masses on both sides, for
+        the tokens of the ``BLOCKS`` blocks of highest upper bound). Harness
         only: serving has no exchange
     mode_overrides : ``((mode, ((field, value), ...)), ...)``: settings that differ for one
         mode (e.g. ``topology_only`` with smaller blocks), applied by :meth:`for_mode`
@@ -302,20 +305,21 @@ def make_policy_selector(
         if config.sink_tokens != 0 or config.local_blocks != 0:
             raise UsageError(f"witness_exchange ({mode}): expected witnesses only (sink_tokens=0, local_blocks=0), "
                              f"got sink_tokens={config.sink_tokens}, local_blocks={config.local_blocks}")
-        if (not isinstance(exchange, CheckedExchange)
+        if (not isinstance(exchange, (CheckedExchange, VerifiedExchange))
                 and WitnessSignal.parse(policy_settings.witness_signal) is WitnessSignal.RECENCY):
             raise UsageError(f"witness_exchange ({mode}): expected a witness signal that scores blocks, got recency")
 
     def select_policy(layer: LayerInputs, width: int, stats: Dict[str, float]) -> torch.Tensor:
         rows, scores = base_rows(layer, width)
         T = rows.shape[0]
-        if isinstance(exchange, CheckedExchange):
+        if isinstance(exchange, (CheckedExchange, VerifiedExchange)):
             if layer.softcap is not None or layer.allowed is not None:
-                raise UsageError(f"witness_exchange ({mode}) checked: expected plain causal logits (its bound is "
-                                 f"for them), got layer {layer.layer_idx} with softcap={layer.softcap}, "
-                                 f"a mask: {layer.allowed is not None}")
-            out, swaps = checked_exchange_rows(rows, layer.lengths, layer.query, layer.key, layer.scaling,
-                                               config.block_size, exchange, layer.query_chunk)
+                raise UsageError(f"witness_exchange ({mode}) {exchange.name.split(':')[0]}: expected plain causal "
+                                 f"logits (its bounds are for them), got layer {layer.layer_idx} with "
+                                 f"softcap={layer.softcap}, a mask: {layer.allowed is not None}")
+            exchange_fn = checked_exchange_rows if isinstance(exchange, CheckedExchange) else verified_exchange_rows
+            out, swaps = exchange_fn(rows, layer.lengths, layer.query, layer.key, layer.scaling,
+                                     config.block_size, exchange, layer.query_chunk)
             stats["exchange_swaps"] = stats.get("exchange_swaps", 0) + int(swaps.sum())
             return out
         witness, shared = layer_witness_scores(layer, config.block_size, policy_settings.witness_signal)

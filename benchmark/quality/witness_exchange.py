@@ -171,9 +171,22 @@ CHECKED = "checked"
 
 
 def parse_any_exchange_setting(text: str, cap: float, where: str):
-    """``witness_exchange``: ``MARGIN:PROTECT`` (:class:`Exchange`) or ``checked:MARGIN``
-    (:class:`CheckedExchange`), capped at ``cap``; :class:`UsageError` naming ``where``."""
+    """``witness_exchange``: ``MARGIN:PROTECT`` (:class:`Exchange`), ``checked:MARGIN``
+    (:class:`CheckedExchange`) or ``verified:MARGIN:BLOCKS`` (:class:`VerifiedExchange`),
+    capped at ``cap``; :class:`UsageError` naming ``where``."""
     head, _, rest = text.partition(":")
+    if head.strip() == VERIFIED:
+        parts = rest.split(":")
+        try:
+            margin, blocks = float(parts[0]), int(parts[1])
+            if len(parts) != 2:
+                raise ValueError
+        except (ValueError, IndexError):
+            raise UsageError(f"{where}: expected verified:MARGIN:BLOCKS (e.g. verified:1:64), got {text!r}") from None
+        try:
+            return VerifiedExchange(Fraction(cap).limit_denominator(1 << 16), margin, blocks)
+        except ValueError as exc:
+            raise UsageError(f"{where} {text!r}: {exc}") from None
     if head.strip() != CHECKED:
         return parse_exchange_setting(text, cap, where)
     try:
@@ -262,4 +275,109 @@ def checked_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: torc
         k, chunk = take_blocks(r, mass, bound, n_out, outs, n, exchange.margin, cap, block_size)
         out[t0:t1] = chunk.to(rows.dtype)
         swaps[t0:t1] = k
+    return out, swaps
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifiedExchange:
+    """The verified token exchange (:func:`verified_exchange_rows`): ``cap``, most entries
+    swapped, a share of ``W``; ``margin``: a token goes in only when its exact mass exceeds
+    ``margin`` times that of the entry it replaces; ``blocks``: candidate blocks read per row."""
+
+    cap: Fraction
+    margin: float
+    blocks: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.cap <= 1:
+            raise ValueError(f"cap: expected a share of W in (0, 1], got {self.cap}")
+        if not (self.margin >= 0 and self.margin < float("inf")):
+            raise ValueError(f"margin: expected a finite number >= 0, got {self.margin}")
+        if self.blocks < 1:
+            raise ValueError(f"blocks: expected an integer >= 1, got {self.blocks}")
+
+    @property
+    def name(self) -> str:
+        return f"verified:{self.cap}:{self.margin:g}:{self.blocks}"
+
+
+VERIFIED = "verified"
+
+
+def verified_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                           scaling: float, block_size: int, exchange: VerifiedExchange,
+                           query_chunk: int = 256) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, swaps)``: the reused rows after single tokens are swapped in where their exact
+    mass beats the entry they replace, and int64 ``[T]`` entries swapped per row. The inputs
+    are not modified.
+
+    Masses are the checked exchange's (:func:`checked_exchange_rows`: normalised over the
+    row's own entries per query head, summed over the heads), exact on both sides:
+
+    * each block's upper bound on a token's mass, from its keys' bounding box (per head
+      ``q . c + |q| . r``, ``c`` / ``r`` the box's centre and half-width; what the
+      ``query_bound`` witness signal reads), names the ``blocks`` candidate blocks with a
+      token outside the row, the highest first;
+    * their tokens outside the row are read: exact masses;
+    * those tokens, most mass first, replace the row's entries, least mass first, pair by
+      pair while the token's mass exceeds ``margin`` times the entry's, at most ``cap * W``.
+
+    With ``margin >= 1`` every swap gains, so the row's mass never falls. Rows no longer than
+    ``W`` are returned as they are. Shapes as :func:`checked_exchange_rows`.
+    """
+    T, W = rows.shape
+    H, Tq, D = query.shape
+    Hkv, L, _ = key.shape
+    if lengths.shape != (T,) or Tq != T:
+        raise ValueError(f"lengths, query: expected {T} rows like rows, got {tuple(lengths.shape)}, {Tq}")
+    if H % Hkv:
+        raise ValueError(f"query heads {H} is not a multiple of key heads {Hkv}")
+    cap = int(exchange.cap * W)
+    out = rows.clone()
+    swaps = torch.zeros(T, dtype=torch.int64, device=rows.device)
+    if T == 0 or cap == 0:
+        return out, swaps
+    N = -(-L // block_size)
+    keys = key.to(torch.float32).repeat_interleave(H // Hkv, dim=0)  # [H, L, D]
+    lo = torch.full((H, N * block_size, D), float("inf"), device=key.device)
+    hi = torch.full((H, N * block_size, D), float("-inf"), device=key.device)
+    lo[:, :L], hi[:, :L] = keys, keys
+    kmin, kmax = lo.view(H, N, block_size, D).amin(2), hi.view(H, N, block_size, D).amax(2)  # [H, N, D]
+    centre, half = (kmin + kmax) / 2, (kmax - kmin) / 2
+    pos = torch.arange(L, device=rows.device)
+    M = min(exchange.blocks, N)
+    within = torch.arange(block_size, device=rows.device)
+    for t0 in range(0, T, query_chunk):
+        t1 = min(T, t0 + query_chunk)
+        n = lengths[t0:t1].to(torch.int64)
+        r = rows[t0:t1].to(torch.int64)
+        Tc = t1 - t0
+        valid = r >= 0
+        q = query[:, t0:t1].to(torch.float32)
+        logit = torch.matmul(q, keys.transpose(1, 2)) * scaling  # [H, Tc, L]
+        entry = logit.gather(2, r.clamp(min=0).unsqueeze(0).expand(H, -1, -1)).masked_fill(~valid, float("-inf"))
+        log_z = torch.logsumexp(entry, dim=2, keepdim=True)  # [H, Tc, 1]
+        entry_mass = torch.where(valid, torch.exp(entry - log_z).sum(0), torch.full_like(r, 1e30, dtype=torch.float32))
+        in_row = torch.zeros(Tc, L + 1, dtype=torch.bool, device=rows.device)
+        in_row.scatter_(1, torch.where(valid, r, L), True)
+        outs = (pos.unsqueeze(0) < n.unsqueeze(1)) & ~in_row[:, :L]  # [Tc, L]
+        has_out = torch.zeros(Tc, N, device=rows.device).index_add_(1, pos // block_size, outs.float()) > 0
+        upper = (torch.matmul(q, centre.transpose(1, 2)) + torch.matmul(q.abs(), half.transpose(1, 2))) * scaling
+        upper_mass = torch.exp((upper - log_z).clamp(max=80.0)).sum(0).masked_fill(~has_out, float("-inf"))  # [Tc, N]
+        cand = upper_mass.topk(M, dim=1).indices  # [Tc, M]
+        tok = (cand.unsqueeze(2) * block_size + within).reshape(Tc, M * block_size)  # [Tc, M * bs]
+        tok_ok = (tok < L) & outs.gather(1, tok.clamp(max=L - 1))
+        tok_mass = torch.exp(logit.gather(2, tok.clamp(max=L - 1).unsqueeze(0).expand(H, -1, -1)) - log_z).sum(0)
+        tok_mass = tok_mass.masked_fill(~tok_ok, float("-inf"))
+        k_pairs = min(cap, tok.shape[1])
+        best, best_i = tok_mass.topk(k_pairs, dim=1)  # most mass first
+        order_e = entry_mass.argsort(dim=1, stable=True)[:, :k_pairs]  # least mass first
+        least = entry_mass.gather(1, order_e)
+        # Tokens fall and entries rise along the pairs: the swaps that gain are a prefix.
+        take = (best > exchange.margin * least) & torch.isfinite(best) & (n > W).unsqueeze(1)
+        take = take.to(torch.int64).cumprod(1).bool()
+        chunk = r.clone()
+        chunk.scatter_(1, order_e, torch.where(take, tok.gather(1, best_i), r.gather(1, order_e)))
+        out[t0:t1] = chunk.to(rows.dtype)
+        swaps[t0:t1] = take.sum(1)
     return out, swaps

@@ -204,3 +204,108 @@ def test_the_decode_shape_matches_the_harness(case):
         if closest > 1e-4:  # float32 against float64: no decision on a knife's edge
             assert int(swaps[t]) == want_swaps[0]
             assert sorted(got[t].tolist()) == sorted(want[0].tolist())
+
+
+def verified_reference(rows, lengths, query, key, scaling, block, ex):
+    """The verified exchange per row in float64 with plain loops: (rows, swaps, closest margin)."""
+    T, W = rows.shape
+    H = query.shape[0]
+    Hkv, L, _ = key.shape
+    group = H // Hkv
+    cap = int(ex.cap * W)
+    out, swaps, closest = rows.clone(), [], float("inf")
+    for t in range(T):
+        n, row = int(lengths[t]), [int(x) for x in rows[t]]
+        if n <= W or cap == 0:
+            swaps.append(0)
+            continue
+        qk = [[float(query[h, t].double() @ key[h // group, j].double()) * scaling for j in range(L)]
+              for h in range(H)]
+        log_z = [math.log(sum(math.exp(qk[h][j]) for j in row)) for h in range(H)]
+
+        def mass(j):
+            return sum(math.exp(qk[h][j] - log_z[h]) for h in range(H))
+
+        upper = []
+        for b in range(-(-L // block)):
+            members = range(b * block, min(L, (b + 1) * block))
+            if not any(j < n and j not in row for j in members):
+                continue
+            u = 0.0
+            for h in range(H):
+                kv = key[h // group].double()
+                top = sum(max(float(query[h, t, d]) * float(kv[j, d]) for j in members) for d in range(key.shape[2]))
+                u += math.exp(top * scaling - log_z[h])
+            upper.append((-u, b))
+        upper.sort()
+        cands = [j for _, b in upper[:ex.blocks] for j in range(b * block, min(n, (b + 1) * block)) if j not in row]
+        cands.sort(key=lambda j: -mass(j))
+        slots = sorted(range(W), key=lambda i: (mass(row[i]), i))
+        new, used = list(row), 0
+        for j, i in zip(cands[:cap], slots):
+            closest = min(closest, abs(mass(j) - ex.margin * mass(row[i])) / max(mass(j), 1e-30))
+            if not mass(j) > ex.margin * mass(row[i]):
+                break
+            new[i] = j
+            used += 1
+        out[t] = torch.tensor(new, dtype=rows.dtype)
+        swaps.append(used)
+    return out, swaps, closest
+
+
+@settings(max_examples=120, deadline=None)
+@given(cases(), st.integers(1, 6))
+def test_verified_exchange_matches_the_reference(case, blocks):
+    from benchmark.quality.witness_exchange import VerifiedExchange, verified_exchange_rows
+
+    rows, lengths, query, key, block, checked, chunk = case
+    ex = VerifiedExchange(checked.cap, checked.margin, blocks)
+    before = (rows.clone(), lengths.clone(), query.clone(), key.clone())
+    out, swaps = verified_exchange_rows(rows, lengths, query, key, 0.7, block, ex, query_chunk=chunk)
+    assert all(torch.equal(a, b) for a, b in zip(before, (rows, lengths, query, key)))
+    want, want_swaps, closest = verified_reference(rows, lengths, query, key, 0.7, block, ex)
+    assume(closest > 1e-4)
+    assert swaps.tolist() == want_swaps
+    T, W = rows.shape
+    H, Hkv = query.shape[0], key.shape[0]
+    for t in range(T):
+        n, old, new = int(lengths[t]), rows[t].tolist(), out[t].tolist()
+        assert sorted(new) == sorted(want[t].tolist())
+        if n <= W:
+            assert new == old
+            continue
+        assert len(set(new)) == W and all(0 <= x < n for x in new)
+        assert len(set(new) - set(old)) == swaps[t] <= int(ex.cap * W)
+        if ex.margin >= 1:  # exact masses on both sides: every swap gains
+            logit = torch.einsum("hd,hld->hl", query[:, t].double(),
+                                 key.double().repeat_interleave(H // Hkv, dim=0)) * 0.7
+            log_z = torch.logsumexp(logit[:, old], dim=1, keepdim=True)
+            assert torch.exp(logit[:, new] - log_z).sum() >= torch.exp(logit[:, old] - log_z).sum() - 1e-9
+
+
+def test_the_verified_exchange_finds_a_spike_the_bound_misses():
+    # Block {4,5}: logits 6 and -6. Its mean logit is 0, so the checked exchange's bound
+    # (2 e^0) loses to the two least entries (logits 0, 0) at margin 1.5; the verified one reads
+    # token 4 (e^6) and swaps it in for one entry.
+    from benchmark.quality.witness_exchange import VerifiedExchange, verified_exchange_rows
+
+    keys = KEYS.clone()
+    keys[0, 4, 0], keys[0, 5, 0], keys[0, 3, 0] = 6.0, -6.0, -9.0
+    rows, lengths, query = ROWS[:1], LENGTHS[:1], QUERY[:, :1]
+    _, n = checked_exchange_rows(rows, lengths, query, keys, 1.0, 2, CheckedExchange(F(1, 2), 1.5))
+    assert n.tolist() == [0]
+    out, n = verified_exchange_rows(rows, lengths, query, keys, 1.0, 2, VerifiedExchange(F(1, 2), 1.5, 1))
+    assert n.tolist() == [1] and sorted(out[0].tolist()) == [1, 2, 4, 7]  # entry 0 (first of the ties) goes
+
+
+@pytest.mark.parametrize("text, message", [
+    ("verified:1", "expected verified:MARGIN:BLOCKS (e.g. verified:1:64), got 'verified:1'"),
+    ("verified:1:x", "expected verified:MARGIN:BLOCKS"),
+    ("verified:1:2:3", "expected verified:MARGIN:BLOCKS"),
+    ("verified:1:0", "blocks: expected an integer >= 1, got 0"),
+])
+def test_bad_verified_settings_name_the_setting(text, message):
+    with pytest.raises(UsageError, match="witness_exchange") as err:
+        parse_any_exchange_setting(text, 0.25, "witness_exchange")
+    assert message in str(err.value)
+    assert parse_any_exchange_setting("verified:2:64", 0.25, "w").name == "verified:1/4:2:64"

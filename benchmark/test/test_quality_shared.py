@@ -400,3 +400,24 @@ def test_the_checked_exchange_replaces_the_merge_in_the_sharing_layers():
     with pytest.raises(UsageError, match=r"witness_exchange: expected checked:MARGIN \(e.g. checked:1\), got "
                                          r"'checked:x'"):
         PolicySettings(witness_exchange="checked:x")
+
+
+def test_the_verified_exchange_replaces_the_merge_in_the_sharing_layers():
+    from benchmark.quality.cli import parse_mode_settings
+    from benchmark.quality.policy_selectors import PolicySettings
+    from benchmark.quality.witness_exchange import VerifiedExchange, verified_exchange_rows
+
+    width = 320
+    layers = [synthetic_layer(50 + i, layer_idx=x, T=640) for i, x in enumerate((2, 5))]
+    base = "topology_sparse_merge:block_size=8,local_blocks=0,sink_tokens=0,max_structural_fraction=0.25," \
+           "structure_layers=sharing,witness_exchange=verified:1:16"
+    select = make_selector("learned-shared:2+topology_sparse_merge", SETTINGS,
+                           PolicySettings(mode_overrides=parse_mode_settings([base])))
+    plain = make_selector("learned-shared:2", SETTINGS)
+    assert torch.equal(select(layers[0], width, {}), plain(layers[0], width, {}))  # the scanning layer
+    stats = {}
+    got, rows = select(layers[1], width, stats), plain(layers[1], width, {})
+    want, swaps = verified_exchange_rows(rows, layers[1].lengths, layers[1].query, layers[1].key,
+                                         layers[1].scaling, 8, VerifiedExchange(Fraction(1, 4), 1.0, 16))
+    assert torch.equal(got, want) and stats["exchange_swaps"] == int(swaps.sum()) > 0
+    check_engine_rows(got, layers[1].lengths, width)
