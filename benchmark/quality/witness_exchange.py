@@ -38,6 +38,13 @@ from benchmark.candidates.checked_exchange import take_blocks
 from benchmark.quality.errors import UsageError
 
 
+def _check_cap_margin(cap: Fraction, margin: float) -> None:
+    if not 0 < cap <= 1:
+        raise ValueError(f"cap: expected a share of W in (0, 1], got {cap}")
+    if not (margin >= 0 and margin < float("inf")):
+        raise ValueError(f"margin: expected a finite number >= 0, got {margin}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Exchange:
     """``cap``: most entries swapped, a share of ``W``; ``margin``: an outsider must carry more
@@ -49,10 +56,7 @@ class Exchange:
     protect: Fraction
 
     def __post_init__(self) -> None:
-        if not 0 < self.cap <= 1:
-            raise ValueError(f"cap: expected a share of W in (0, 1], got {self.cap}")
-        if not (self.margin >= 0 and self.margin < float("inf")):
-            raise ValueError(f"margin: expected a finite number >= 0, got {self.margin}")
+        _check_cap_margin(self.cap, self.margin)
         if not 0 <= self.protect < 1:
             raise ValueError(f"protect: expected a share of W in [0, 1), got {self.protect}")
 
@@ -157,10 +161,7 @@ class CheckedExchange:
     margin: float
 
     def __post_init__(self) -> None:
-        if not 0 < self.cap <= 1:
-            raise ValueError(f"cap: expected a share of W in (0, 1], got {self.cap}")
-        if not (self.margin >= 0 and self.margin < float("inf")):
-            raise ValueError(f"margin: expected a finite number >= 0, got {self.margin}")
+        _check_cap_margin(self.cap, self.margin)
 
     @property
     def name(self) -> str:
@@ -222,23 +223,18 @@ def checked_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: torc
     post-RoPE; ``key``: ``[Hkv, L, D]`` (query head ``h`` reads KV head ``h // (H // Hkv)``).
     """
     T, W = rows.shape
-    H, Tq, D = query.shape
-    Hkv, L, _ = key.shape
-    if lengths.shape != (T,) or Tq != T:
-        raise ValueError(f"lengths, query: expected {T} rows like rows, got {tuple(lengths.shape)}, {Tq}")
-    if H % Hkv:
-        raise ValueError(f"query heads {H} is not a multiple of key heads {Hkv}")
+    H, _, D = query.shape
+    keys = _head_keys(rows, lengths, query, key)  # [H, L, D]
+    L = keys.shape[1]
     cap = int(exchange.cap * W)
     out = rows.clone()
     swaps = torch.zeros(T, dtype=torch.int64, device=rows.device)
     if T == 0 or cap == 0:
         return out, swaps
     N = -(-L // block_size)
-    keys = key.to(torch.float32).repeat_interleave(H // Hkv, dim=0)  # [H, L, D]
     padded = torch.zeros(H, N * block_size, D, device=key.device)
     padded[:, :L] = keys
     key_sums = padded.view(H, N, block_size, D).sum(2)  # [H, N, D]: the block key-sum table
-    pos = torch.arange(L, device=rows.device)
     first = torch.arange(N, device=rows.device) * block_size
     tail = torch.arange(1, block_size, device=rows.device)
     for t0 in range(0, T, query_chunk):
@@ -249,9 +245,7 @@ def checked_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: torc
         valid = r >= 0
         idx = r.clamp(min=0)
         q = query[:, t0:t1].to(torch.float32)
-        logit = torch.matmul(q, keys.transpose(1, 2)) * scaling  # [H, Tc, L]
-        entry = logit.gather(2, idx.unsqueeze(0).expand(H, -1, -1)).masked_fill(~valid, float("-inf"))  # [H, Tc, W]
-        log_z = torch.logsumexp(entry, dim=2, keepdim=True)  # [H, Tc, 1]
+        logit, entry, log_z, outs = _row_logits(q, keys, scaling, r, n)
         mass = torch.exp(entry - log_z).sum(0)  # [Tc, W]; 0 at padding
         # The logits of each block's tokens below the row's length: q . (key sum) less the
         # tokens of the row's last block at and past its length.
@@ -269,9 +263,6 @@ def checked_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: torc
         n_out = (visible - in_count).clamp(min=0)
         mean_out = (block_logit - in_sum) / n_out.clamp(min=1)
         bound = (n_out * torch.exp((mean_out - log_z).clamp(max=80.0))).sum(0)  # [Tc, N]
-        in_row = torch.zeros(Tc, L + 1, dtype=torch.bool, device=rows.device)
-        in_row.scatter_(1, torch.where(valid, r, L), True)
-        outs = (pos.unsqueeze(0) < n.unsqueeze(1)) & ~in_row[:, :L]  # [Tc, L]
         k, chunk = take_blocks(r, mass, bound, n_out, outs, n, exchange.margin, cap, block_size)
         out[t0:t1] = chunk.to(rows.dtype)
         swaps[t0:t1] = k
@@ -289,10 +280,7 @@ class VerifiedExchange:
     blocks: int
 
     def __post_init__(self) -> None:
-        if not 0 < self.cap <= 1:
-            raise ValueError(f"cap: expected a share of W in (0, 1], got {self.cap}")
-        if not (self.margin >= 0 and self.margin < float("inf")):
-            raise ValueError(f"margin: expected a finite number >= 0, got {self.margin}")
+        _check_cap_margin(self.cap, self.margin)
         if self.blocks < 1:
             raise ValueError(f"blocks: expected an integer >= 1, got {self.blocks}")
 
@@ -326,19 +314,15 @@ def verified_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: tor
     ``W`` are returned as they are. Shapes as :func:`checked_exchange_rows`.
     """
     T, W = rows.shape
-    H, Tq, D = query.shape
-    Hkv, L, _ = key.shape
-    if lengths.shape != (T,) or Tq != T:
-        raise ValueError(f"lengths, query: expected {T} rows like rows, got {tuple(lengths.shape)}, {Tq}")
-    if H % Hkv:
-        raise ValueError(f"query heads {H} is not a multiple of key heads {Hkv}")
+    H, _, D = query.shape
+    keys = _head_keys(rows, lengths, query, key)  # [H, L, D]
+    L = keys.shape[1]
     cap = int(exchange.cap * W)
     out = rows.clone()
     swaps = torch.zeros(T, dtype=torch.int64, device=rows.device)
     if T == 0 or cap == 0:
         return out, swaps
     N = -(-L // block_size)
-    keys = key.to(torch.float32).repeat_interleave(H // Hkv, dim=0)  # [H, L, D]
     lo = torch.full((H, N * block_size, D), float("inf"), device=key.device)
     hi = torch.full((H, N * block_size, D), float("-inf"), device=key.device)
     lo[:, :L], hi[:, :L] = keys, keys
@@ -354,13 +338,8 @@ def verified_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: tor
         Tc = t1 - t0
         valid = r >= 0
         q = query[:, t0:t1].to(torch.float32)
-        logit = torch.matmul(q, keys.transpose(1, 2)) * scaling  # [H, Tc, L]
-        entry = logit.gather(2, r.clamp(min=0).unsqueeze(0).expand(H, -1, -1)).masked_fill(~valid, float("-inf"))
-        log_z = torch.logsumexp(entry, dim=2, keepdim=True)  # [H, Tc, 1]
+        logit, entry, log_z, outs = _row_logits(q, keys, scaling, r, n)
         entry_mass = torch.where(valid, torch.exp(entry - log_z).sum(0), torch.full_like(r, 1e30, dtype=torch.float32))
-        in_row = torch.zeros(Tc, L + 1, dtype=torch.bool, device=rows.device)
-        in_row.scatter_(1, torch.where(valid, r, L), True)
-        outs = (pos.unsqueeze(0) < n.unsqueeze(1)) & ~in_row[:, :L]  # [Tc, L]
         has_out = torch.zeros(Tc, N, device=rows.device).index_add_(1, pos // block_size, outs.float()) > 0
         upper = (torch.matmul(q, centre.transpose(1, 2)) + torch.matmul(q.abs(), half.transpose(1, 2))) * scaling
         upper_mass = torch.exp((upper - log_z).clamp(max=80.0)).sum(0).masked_fill(~has_out, float("-inf"))  # [Tc, N]
@@ -381,3 +360,32 @@ def verified_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: tor
         out[t0:t1] = chunk.to(rows.dtype)
         swaps[t0:t1] = take.sum(1)
     return out, swaps
+
+
+def _head_keys(rows: torch.Tensor, lengths: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[H, L, D]``: ``key`` repeated for the query heads that read it, after checking the
+    exchanges' shapes (``rows [T, W]``, ``lengths [T]``, ``query [H, T, D]``, ``key [Hkv, L, D]``)."""
+    T = rows.shape[0]
+    H, Tq, _ = query.shape
+    Hkv = key.shape[0]
+    if lengths.shape != (T,) or Tq != T:
+        raise ValueError(f"lengths, query: expected {T} rows like rows, got {tuple(lengths.shape)}, {Tq}")
+    if H % Hkv:
+        raise ValueError(f"query heads {H} is not a multiple of key heads {Hkv}")
+    return key.to(torch.float32).repeat_interleave(H // Hkv, dim=0)
+
+
+def _row_logits(q: torch.Tensor, keys: torch.Tensor, scaling: float, r: torch.Tensor, n: torch.Tensor):
+    """For a chunk of rows: ``(logit [H, Tc, L], entry [H, Tc, W], log_z [H, Tc, 1], outs [Tc, L])``:
+    the scaled logits, the row entries' (``-inf`` at padding), their log-normaliser per head,
+    and the tokens below the row's length that are not in it."""
+    H, Tc, _ = q.shape
+    L = keys.shape[1]
+    valid = r >= 0
+    logit = torch.matmul(q, keys.transpose(1, 2)) * scaling
+    entry = logit.gather(2, r.clamp(min=0).unsqueeze(0).expand(H, -1, -1)).masked_fill(~valid, float("-inf"))
+    log_z = torch.logsumexp(entry, dim=2, keepdim=True)
+    in_row = torch.zeros(Tc, L + 1, dtype=torch.bool, device=r.device)
+    in_row.scatter_(1, torch.where(valid, r, L), True)
+    outs = (torch.arange(L, device=r.device).unsqueeze(0) < n.unsqueeze(1)) & ~in_row[:, :L]
+    return logit, entry, log_z, outs

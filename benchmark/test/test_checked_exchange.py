@@ -59,12 +59,19 @@ def test_the_bound_is_jensens_not_the_blocks_mass():
     assert n.tolist() == [2] and out[0].tolist() == [4, 5, 2, 7]
 
 
+def row_logits(query, key, scaling, t, row):
+    """Row ``t``'s float64 logits ``[H][L]`` and, per head, their log-normaliser over ``row``."""
+    H, Hkv, L = query.shape[0], key.shape[0], key.shape[1]
+    logit = [[float(query[h, t].double() @ key[h // (H // Hkv), j].double()) * scaling for j in range(L)]
+             for h in range(H)]
+    return logit, [math.log(sum(math.exp(logit[h][j]) for j in row)) for h in range(H)]
+
+
 def reference(rows, lengths, query, key, scaling, block, ex):
     """Per row, in float64 with plain loops: (rows, swaps, closest decision's relative margin)."""
     T, W = rows.shape
-    H, _, _ = query.shape
-    Hkv, L, _ = key.shape
-    group = H // Hkv
+    H = query.shape[0]
+    L = key.shape[1]
     cap = int(ex.cap * W)
     out, swaps, closest = rows.clone(), [], float("inf")
     for t in range(T):
@@ -72,9 +79,7 @@ def reference(rows, lengths, query, key, scaling, block, ex):
         if n <= W or cap == 0:
             swaps.append(0)
             continue
-        logit = [[float(query[h, t].double() @ key[h // group, j].double()) * scaling for j in range(L)]
-                 for h in range(H)]
-        log_z = [math.log(sum(math.exp(logit[h][j]) for j in row)) for h in range(H)]
+        logit, log_z = row_logits(query, key, scaling, t, row)
         mass = {j: sum(math.exp(logit[h][j] - log_z[h]) for h in range(H)) for j in row}
         blocks = []
         for b in range(-(-L // block)):
@@ -219,9 +224,7 @@ def verified_reference(rows, lengths, query, key, scaling, block, ex):
         if n <= W or cap == 0:
             swaps.append(0)
             continue
-        qk = [[float(query[h, t].double() @ key[h // group, j].double()) * scaling for j in range(L)]
-              for h in range(H)]
-        log_z = [math.log(sum(math.exp(qk[h][j]) for j in row)) for h in range(H)]
+        qk, log_z = row_logits(query, key, scaling, t, row)
 
         def mass(j):
             return sum(math.exp(qk[h][j] - log_z[h]) for h in range(H))
