@@ -83,15 +83,7 @@ def checked_exchange_decode(rows: torch.Tensor, lengths: torch.Tensor, queries: 
         return rows.clone().to(torch.int32), torch.zeros(R, dtype=torch.int64, device=rows.device)
     _, H, D = queries.shape
     Hkv = block_sums.shape[2] // D
-    req = row_to_request.to(torch.int64)
-    n = lengths.to(torch.int64)
-    r = rows.to(torch.int64)
-    valid = r >= 0
-    q = queries.to(torch.float32).view(R, Hkv, H // Hkv, D)
-    k_row = keys[req.unsqueeze(1), r.clamp(min=0)].to(torch.float32).view(R, W, Hkv, D)
-    logit = torch.einsum("rgjd,rwgd->rgjw", q, k_row).reshape(R, H, W)
-    logit = logit.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    log_z = torch.logsumexp(logit, dim=2, keepdim=True)  # [R, H, 1]
+    req, n, r, valid, q, logit, log_z = decode_row_logits(rows, lengths, queries, keys, row_to_request, Hkv)
     entry_mass = torch.exp(logit - log_z).sum(1)  # [R, W]; 0 at padding
     sums = block_sums[req].to(torch.float32)
     N = sums.shape[1]
@@ -103,9 +95,35 @@ def checked_exchange_decode(rows: torch.Tensor, lengths: torch.Tensor, queries: 
     n_out = (block_counts[req].to(torch.float32) - in_count).clamp(min=0)
     mean_out = (block_logit - in_sum) / n_out.clamp(min=1).unsqueeze(1)
     bound = (n_out.unsqueeze(1) * torch.exp((mean_out - log_z).clamp(max=80.0))).sum(1)  # [R, N]
-    L = int(n.max()) if R else 0
-    in_row = torch.zeros(R, L + 1, dtype=torch.bool, device=rows.device)
-    in_row.scatter_(1, torch.where(valid, r, L), True)
-    outs = (torch.arange(L, device=rows.device).unsqueeze(0) < n.unsqueeze(1)) & ~in_row[:, :L]
+    outs = outside_row(r, n)
     swaps, out = take_blocks(r, entry_mass, bound, n_out, outs, n, margin, cap, block_size)
     return out.to(torch.int32), swaps
+
+
+def decode_row_logits(rows: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor,
+                      row_to_request: torch.Tensor, kv_heads: int):
+    """The logits of each decode row's own entries, which the sparse attention computes anyway:
+    ``(request int64 [R], lengths int64 [R], rows int64 [R, W], valid bool [R, W], queries fp32
+    [R, Hkv, H / Hkv, D], logit fp32 [R, H, W] (-inf at padding), log_z fp32 [R, H, 1])``, the
+    last the log-normaliser over the row per query head. Arguments as
+    :func:`checked_exchange_decode`'s."""
+    R, W = rows.shape
+    _, H, D = queries.shape
+    req = row_to_request.to(torch.int64)
+    r = rows.to(torch.int64)
+    valid = r >= 0
+    q = queries.to(torch.float32).view(R, kv_heads, H // kv_heads, D)
+    k_row = keys[req.unsqueeze(1), r.clamp(min=0)].to(torch.float32).view(R, W, kv_heads, D)
+    logit = torch.einsum("rgjd,rwgd->rgjw", q, k_row).reshape(R, H, W)
+    logit = logit.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    return req, lengths.to(torch.int64), r, valid, q, logit, torch.logsumexp(logit, dim=2, keepdim=True)
+
+
+def outside_row(r: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """bool ``[R, L]`` (``L`` the longest length): the positions below each row's length that
+    are not among its entries (``r`` int64 ``[R, W]``, ``-1`` padding)."""
+    R = r.shape[0]
+    L = int(lengths.max()) if R else 0
+    in_row = torch.zeros(R, L + 1, dtype=torch.bool, device=r.device)
+    in_row.scatter_(1, torch.where(r >= 0, r, L), True)
+    return (torch.arange(L, device=r.device).unsqueeze(0) < lengths.unsqueeze(1)) & ~in_row[:, :L]

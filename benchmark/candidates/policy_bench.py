@@ -523,21 +523,28 @@ SHARING_SHAPE = dict(heads=9, kv_heads=3, head_dim=64, context=8192, width=1024,
                      share=0.25)
 SHARING_PARTS = ("hook", "update", "scores", "merge")
 # Timed beside the parts, not in the hook: the checked block exchange, which would replace
-# the scores and the merge (benchmark/candidates/checked_exchange.py).
-SHARING_ALTERNATIVES = ("checked",)
+# the scores and the merge (benchmark/candidates/checked_exchange.py), and the verified token
+# exchange with its block-box update, which would replace the whole hook
+# (benchmark/candidates/verified_exchange.py; 64 candidate blocks, as the harness runs it).
+SHARING_ALTERNATIVES = ("checked", "verified")
+VERIFIED_BLOCKS = 64
 
 
 def sharing_layer_calls(device: torch.device, batch: int, gen: torch.Generator, *, heads: int, kv_heads: int,
                         head_dim: int, context: int, width: int, block_size: int, witness_blocks: int, share: float,
-                        ) -> Tuple[Dict[str, Callable[[], object]], Callable[[torch.Tensor], object]]:
-    """``(calls, merge_with)`` on one layer's state for ``batch`` requests (random keys, reused
+                        ) -> Tuple[Dict[str, Callable[[], object]], Callable[[torch.Tensor], object], Dict[str, torch.Tensor]]:
+    """``(calls, merge_with, state)`` on one layer's state for ``batch`` requests (random keys, reused
     rows and queries from ``gen``): the calls :func:`time_sharing_layer` times (``hook``,
     ``update``, ``scores``, and ``merge``: ``merge_with`` the scores of the state as built), and
     ``merge_with(scores)``, the layer policy's run on the reused rows with ``scores``; beside
     them ``checked``, the checked block exchange on the same rows (each request's keys in a
-    ``[B, L, Hkv * D]`` cache, the tracker's block sums, at most ``share`` of ``W`` swapped). The
-    shape keywords are :data:`SHARING_SHAPE`'s."""
+    ``[B, L, Hkv * D]`` cache, the tracker's block sums, at most ``share`` of ``W`` swapped), and
+    ``verified``, the block boxes' update with the row's key then the verified token exchange
+    on the same rows (:data:`VERIFIED_BLOCKS` candidate blocks, margin 1, same cap). ``state``:
+    the reused ``rows``, the ``queries`` (times the softmax scale) and each request's keys
+    ``cache`` the exchanges read. The shape keywords are :data:`SHARING_SHAPE`'s."""
     from benchmark.candidates.checked_exchange import checked_exchange_decode
+    from benchmark.candidates.verified_exchange import BlockBoxes, verified_exchange_decode
     from rtp_llm.models_py.modules.hybrid.indexer import Indexer
     from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerAttentionInputs, IndexerFmhaParams
     from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan, SharedTopkRows
@@ -592,9 +599,21 @@ def sharing_layer_calls(device: torch.device, batch: int, gen: torch.Generator, 
         return checked_exchange_decode(rows, lengths, queries, cache, tracker.block_sums(), tracker.block_counts(),
                                        request_ids, block_size, 1.0, cap)
 
+    boxes = BlockBoxes(B, -(-(context + 1) // block_size), K, block_size=block_size, device=device)
+    boxes.update(cache[:, :context].reshape(B * context, K), torch.arange(context).repeat(B).to(device),
+                 torch.arange(B).repeat_interleave(context).to(device))
+
+    step_keys = cache[:, context].contiguous()  # the row's own key, fed as the step's
+
+    def verified():
+        boxes.update(step_keys, positions, request_ids)
+        kmin, kmax = boxes.tables()
+        return verified_exchange_decode(rows, lengths, queries, cache, kmin, kmax, request_ids, block_size, 1.0,
+                                        cap, VERIFIED_BLOCKS)
+
     built = scores()
     return {"hook": hook, "update": update, "scores": scores, "merge": lambda: merge_with(built),
-            "checked": checked}, merge_with
+            "checked": checked, "verified": verified}, merge_with, {"rows": rows, "queries": queries, "cache": cache}
 
 
 def time_sharing_layer(device: torch.device, rounds: int, warmup: int, evict: Callable[[], None],
@@ -613,13 +632,14 @@ def time_sharing_layer(device: torch.device, rounds: int, warmup: int, evict: Ca
     and ``merge`` (the layer policy's ``run`` on the rows with such scores). ``rest``, the
     hook less the three parts, is the hook's own work (argument handling, the row-to-request map).
     ``checked`` (:data:`SHARING_ALTERNATIVES`): the checked block exchange at margin 1, which
-    would replace ``scores`` and ``merge``.
+    would replace ``scores`` and ``merge``; ``verified``: the block boxes' update and the
+    verified token exchange at margin 1, which would replace the whole ``hook``.
     """
     out = []
     gen = torch.Generator().manual_seed(0)
     shape = {**SHARING_SHAPE, **shape}
     for B in SHARING_BATCHES:
-        calls, _ = sharing_layer_calls(device, B, gen, **shape)
+        calls, _, _ = sharing_layer_calls(device, B, gen, **shape)
         times, warm = time_interleaved(calls, device, max(rounds, 20), warmup, evict)
         row = {"batch": B, **{k: shape[k] for k in ("context", "width", "block_size", "witness_blocks", "share")}}
         for part in SHARING_PARTS + SHARING_ALTERNATIVES:
@@ -681,13 +701,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("\na sharing layer's policy hook per decode step (hook: key tracker update + Indexer._compute_topk on the "
           "reused rows, as the e2e serves query_group_mass witnesses; its parts alone; rest: hook - parts; SmolLM2's "
           "9 over 3 heads of 64, 8k, W 1024, 64 witness blocks of 8 at most a quarter of W; cold, warm beside; "
-          "checked: the checked block exchange that would replace scores + merge, not in the hook)")
+          "checked: the checked block exchange that would replace scores + merge; verified: block-box update + the "
+          "verified token exchange (64 candidate blocks) that would replace the hook; neither in the hook)")
     print("batch\thook_us\tupdate_us\tscores_us\tmerge_us\trest_us\thook_warm_us\tupdate_warm_us\tscores_warm_us\t"
-          "merge_warm_us\tchecked_us\tchecked_warm_us")
+          "merge_warm_us\tchecked_us\tchecked_warm_us\tverified_us\tverified_warm_us")
     for t in sharing:
         print("\t".join([str(t["batch"])] + [f"{t[k]:.1f}" for k in (
             "hook_us", "update_us", "scores_us", "merge_us", "rest_us", "hook_warm_us", "update_warm_us",
-            "scores_warm_us", "merge_warm_us", "checked_us", "checked_warm_us")]))
+            "scores_warm_us", "merge_warm_us", "checked_us", "checked_warm_us", "verified_us",
+            "verified_warm_us")]))
     if args.json:
         path = args.json
         if not os.path.isabs(path) and os.environ.get("BUILD_WORKING_DIRECTORY"):

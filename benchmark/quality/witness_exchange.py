@@ -35,6 +35,7 @@ from typing import Tuple
 import torch
 
 from benchmark.candidates.checked_exchange import take_blocks
+from benchmark.candidates.verified_exchange import candidate_tokens, take_tokens
 from benchmark.quality.errors import UsageError
 
 
@@ -329,36 +330,24 @@ def verified_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: tor
     kmin, kmax = lo.view(H, N, block_size, D).amin(2), hi.view(H, N, block_size, D).amax(2)  # [H, N, D]
     centre, half = (kmin + kmax) / 2, (kmax - kmin) / 2
     pos = torch.arange(L, device=rows.device)
-    M = min(exchange.blocks, N)
-    within = torch.arange(block_size, device=rows.device)
     for t0 in range(0, T, query_chunk):
         t1 = min(T, t0 + query_chunk)
         n = lengths[t0:t1].to(torch.int64)
         r = rows[t0:t1].to(torch.int64)
         Tc = t1 - t0
-        valid = r >= 0
         q = query[:, t0:t1].to(torch.float32)
         logit, entry, log_z, outs = _row_logits(q, keys, scaling, r, n)
-        entry_mass = torch.where(valid, torch.exp(entry - log_z).sum(0), torch.full_like(r, 1e30, dtype=torch.float32))
+        entry_mass = torch.exp(entry - log_z).sum(0)  # [Tc, W]
         has_out = torch.zeros(Tc, N, device=rows.device).index_add_(1, pos // block_size, outs.float()) > 0
         upper = (torch.matmul(q, centre.transpose(1, 2)) + torch.matmul(q.abs(), half.transpose(1, 2))) * scaling
         upper_mass = torch.exp((upper - log_z).clamp(max=80.0)).sum(0).masked_fill(~has_out, float("-inf"))  # [Tc, N]
-        cand = upper_mass.topk(M, dim=1).indices  # [Tc, M]
-        tok = (cand.unsqueeze(2) * block_size + within).reshape(Tc, M * block_size)  # [Tc, M * bs]
+        tok = candidate_tokens(upper_mass, exchange.blocks, block_size)  # [Tc, M * bs]
         tok_ok = (tok < L) & outs.gather(1, tok.clamp(max=L - 1))
         tok_mass = torch.exp(logit.gather(2, tok.clamp(max=L - 1).unsqueeze(0).expand(H, -1, -1)) - log_z).sum(0)
         tok_mass = tok_mass.masked_fill(~tok_ok, float("-inf"))
-        k_pairs = min(cap, tok.shape[1])
-        best, best_i = tok_mass.topk(k_pairs, dim=1)  # most mass first
-        order_e = entry_mass.argsort(dim=1, stable=True)[:, :k_pairs]  # least mass first
-        least = entry_mass.gather(1, order_e)
-        # Tokens fall and entries rise along the pairs: the swaps that gain are a prefix.
-        take = (best > exchange.margin * least) & torch.isfinite(best) & (n > W).unsqueeze(1)
-        take = take.to(torch.int64).cumprod(1).bool()
-        chunk = r.clone()
-        chunk.scatter_(1, order_e, torch.where(take, tok.gather(1, best_i), r.gather(1, order_e)))
+        k, chunk = take_tokens(r, entry_mass, tok, tok_mass, n, exchange.margin, cap)
         out[t0:t1] = chunk.to(rows.dtype)
-        swaps[t0:t1] = take.sum(1)
+        swaps[t0:t1] = k
     return out, swaps
 
 

@@ -312,3 +312,88 @@ def test_bad_verified_settings_name_the_setting(text, message):
         parse_any_exchange_setting(text, 0.25, "witness_exchange")
     assert message in str(err.value)
     assert parse_any_exchange_setting("verified:2:64", 0.25, "w").name == "verified:1/4:2:64"
+
+
+def decode_state(rows, lengths, query, key, block):
+    """Each row its own request holding exactly the keys below its length (a decode step):
+    ``(keys [T, L, Hkv * D], queries [T, H, D] times the scale 0.7, boxes)``."""
+    from benchmark.candidates.verified_exchange import BlockBoxes
+
+    T = rows.shape[0]
+    H, _, D = query.shape
+    Hkv, L, _ = key.shape
+    keys = torch.zeros(T, L, Hkv * D)
+    boxes = BlockBoxes(T, -(-L // block), Hkv * D, block_size=block)
+    for t in range(T):
+        n = int(lengths[t])
+        keys[t, :n] = key[:, :n].transpose(0, 1).reshape(n, Hkv * D)
+        boxes.update(keys[t, :n], torch.arange(n), torch.full((n,), t))
+    return keys, query.transpose(0, 1) * 0.7, boxes
+
+
+@settings(max_examples=100, deadline=None)
+@given(cases(), st.integers(1, 6))
+def test_the_verified_decode_shape_matches_the_harness(case, blocks):
+    """``verified_exchange_decode`` (block boxes kept as keys arrive) chooses what the
+    full-logit ``verified_exchange_rows`` does."""
+    from benchmark.candidates.verified_exchange import verified_exchange_decode
+    from benchmark.quality.witness_exchange import VerifiedExchange
+
+    rows, lengths, query, key, block, checked, _ = case
+    ex = VerifiedExchange(checked.cap, checked.margin, blocks)
+    T, W = rows.shape
+    keys, queries, boxes = decode_state(rows, lengths, query, key, block)
+    kmin, kmax = boxes.tables()
+    before = (rows.clone(), keys.clone(), kmin.clone(), kmax.clone(), queries.clone())
+    got, swaps = verified_exchange_decode(rows, lengths, queries, keys, kmin, kmax, torch.arange(T), block,
+                                          ex.margin, int(ex.cap * W), blocks)
+    assert all(torch.equal(a, b) for a, b in zip(before, (rows, keys, kmin, kmax, queries)))
+    assert got.dtype == torch.int32
+    for t in range(T):
+        n = int(lengths[t])
+        want, want_swaps, closest = verified_reference(rows[t:t + 1], lengths[t:t + 1], query[:, t:t + 1],
+                                                       key[:, :n], 0.7, block, ex)
+        if closest > 1e-4:  # float32 against float64: no decision on a knife's edge
+            assert int(swaps[t]) == want_swaps[0]
+            assert sorted(got[t].tolist()) == sorted(want[0].tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 5), st.integers(1, 4), st.integers(1, 30), st.integers(0, 2**31 - 1))
+def test_block_boxes_hold_each_blocks_least_and_greatest_key(B, N, block, T, seed):
+    """Keys fed in any order, some past capacity (the dump column): every block's box is the
+    column-wise min / max of its keys by loops; a block with no key stays empty; reset forgets."""
+    from benchmark.candidates.verified_exchange import BlockBoxes
+
+    gen = torch.Generator().manual_seed(seed)
+    K = 3
+    boxes = BlockBoxes(B, N, K, block_size=block)
+    keys = torch.randn(T, K, generator=gen)
+    positions = torch.randint(0, (N + 1) * block, (T,), generator=gen)  # some past the N blocks
+    requests = torch.randint(0, B, (T,), generator=gen)
+    before = (keys.clone(), positions.clone(), requests.clone())
+    boxes.update(keys, positions, requests)
+    assert all(torch.equal(a, b) for a, b in zip(before, (keys, positions, requests)))
+    kmin, kmax = boxes.tables()
+    assert kmin.shape == kmax.shape == (B, N, K)
+    for b in range(B):
+        for n in range(N):
+            members = [keys[i] for i in range(T) if int(requests[i]) == b and int(positions[i]) // block == n]
+            if members:
+                assert torch.equal(kmin[b, n], torch.stack(members).amin(0))
+                assert torch.equal(kmax[b, n], torch.stack(members).amax(0))
+            else:
+                assert bool((kmin[b, n] == float("inf")).all() and (kmax[b, n] == float("-inf")).all())
+    boxes.reset(torch.tensor([0]))
+    assert bool((boxes.tables()[0][0] == float("inf")).all() and (boxes.tables()[1][0] == float("-inf")).all())
+
+
+def test_block_boxes_name_bad_arguments():
+    from benchmark.candidates.verified_exchange import BlockBoxes
+
+    with pytest.raises(ValueError, match=r"max_blocks: expected an int >= 1, got 0"):
+        BlockBoxes(1, 0, 4, block_size=8)
+    boxes = BlockBoxes(2, 4, 4, block_size=8)
+    with pytest.raises(ValueError, match=r"keys, positions, request_ids: expected \[T, 4\], \[T\], \[T\], "
+                                         r"got \[3, 5\], \[3\], \[3\]"):
+        boxes.update(torch.zeros(3, 5), torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -68,7 +70,7 @@ def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
     assert sharing[0].startswith("a sharing layer's policy hook per decode step")
     assert sharing[1].split("\t") == ["batch", "hook_us", "update_us", "scores_us", "merge_us", "rest_us",
                                        "hook_warm_us", "update_warm_us", "scores_warm_us", "merge_warm_us",
-                                       "checked_us", "checked_warm_us"]
+                                       "checked_us", "checked_warm_us", "verified_us", "verified_warm_us"]
     assert [line.split("\t")[0] for line in sharing[2:]] == [str(b) for b in bench.SHARING_BATCHES]
     for t in payload["sharing_layer"]:
         assert all(t[f"{p}_us"] > 0 and t[f"{p}_warm_us"] > 0 for p in bench.SHARING_PARTS + bench.SHARING_ALTERNATIVES)
@@ -83,7 +85,7 @@ def test_the_timed_sharing_hook_is_the_merge_of_the_reused_rows():
         return bench.sharing_layer_calls(torch.device(DEVICE), 2, torch.Generator().manual_seed(5),
                                          **{**bench.SHARING_SHAPE, "context": 512, "width": 64})
 
-    (a, _), (b, merge_with) = case(), case()
+    (a, _, state), (b, merge_with, _) = case(), case()
     hook = a["hook"]()
     b["update"]()
     scores = b["scores"]()
@@ -97,6 +99,18 @@ def test_the_timed_sharing_hook_is_the_merge_of_the_reused_rows():
     assert 0 < int(swaps.min()) and int(swaps.max()) <= 16
     for r in checked.tolist():
         assert len(r) == len(set(r)) == 64 and all(0 <= x <= 512 for x in r)
+    # The verified exchange's decode shape on the same rows chooses what the harness's does on
+    # each request's whole cache (queries already carry the softmax scale).
+    from benchmark.quality.witness_exchange import VerifiedExchange, verified_exchange_rows
+
+    verified, swaps = a["verified"]()
+    assert 0 < int(swaps.min()) and int(swaps.max()) <= 16
+    rows, queries, cache = state["rows"], state["queries"], state["cache"]
+    for b_ in range(2):
+        want, n = verified_exchange_rows(rows[b_:b_ + 1], torch.tensor([513]), queries[b_].unsqueeze(1),
+                                         cache[b_].view(513, 3, 64).transpose(0, 1), 1.0, 8,
+                                         VerifiedExchange(Fraction(1, 4), 1.0, bench.VERIFIED_BLOCKS))
+        assert int(n) == int(swaps[b_]) and sorted(want[0].tolist()) == sorted(verified[b_].tolist())
 
 
 def _row(mode, backend, policy_ms, layer_ms=None, topk_ms=0.2, rows=1, seq_len=8192, scored=False):
