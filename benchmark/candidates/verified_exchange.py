@@ -15,7 +15,9 @@ one is tested against). Per row it reads:
 
 It needs neither the drift tracker nor the witness scores: in a sharing layer it replaces
 the whole witness hook (tracker update, scores, merge) by :meth:`BlockBoxes.update` and
-:func:`verified_exchange_decode`.
+:func:`verified_exchange_decode` (torch ops, the specification of the decode shape) or
+:func:`verified_exchange_cpu` (one C++ pass per row, ``verified_exchange.cpp``, rows in
+parallel; it reads each table where it lies instead of gathering a copy per row).
 
 Shape vocabulary: ``R`` rows, ``W`` row width, ``B`` requests, ``N`` blocks, ``H`` query heads,
 ``Hkv`` KV heads, ``D`` head dim, ``L`` key length, ``M`` candidate blocks.
@@ -23,11 +25,18 @@ Shape vocabulary: ``R`` rows, ``W`` row width, ``B`` requests, ``N`` blocks, ``H
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
 
 from benchmark.candidates.checked_exchange import decode_row_logits, outside_row
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.cpp_extension import CppKernel
+from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.cpu_drift import index_tensor
+
+_KERNEL = CppKernel("topology_kv_verified_exchange_cpu",
+                    os.path.join(os.path.dirname(os.path.abspath(__file__)), "verified_exchange.cpp"),
+                    cflags=["-O3", "-fopenmp"], ldflags=["-fopenmp"])
 
 
 class BlockBoxes:
@@ -151,3 +160,22 @@ def verified_exchange_decode(rows: torch.Tensor, lengths: torch.Tensor, queries:
     tok_mass = torch.exp(tok_logit - log_z).sum(1).masked_fill(~tok_ok, float("-inf"))
     swaps, out = take_tokens(r, entry_mass, tok, tok_mass, n, margin, cap)
     return out.to(torch.int32), swaps
+
+
+def can_use_verified_kernel(device) -> bool:
+    """Whether :func:`verified_exchange_cpu` can run on ``device`` (CPU and a working build); never raises."""
+    return _KERNEL.available(device)
+
+
+def verified_exchange_cpu(rows: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor,
+                          block_min: torch.Tensor, block_max: torch.Tensor, row_to_request: torch.Tensor,
+                          block_size: int, margin: float, cap: int,
+                          blocks: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verified_exchange_decode`'s choice in one C++ call (CPU tensors; fp32 keys and
+    boxes of any leading strides, as :meth:`BlockBoxes.tables` gives them). Equal to it up to
+    fp32 rounding of the bounds and masses (another summation order). Raises RuntimeError
+    naming the argument for a shape, dtype or index the kernel cannot take, before any work."""
+    return _KERNEL.load().verified_exchange(
+        rows.to(torch.int64).contiguous(), index_tensor(lengths).contiguous(),
+        queries.to(torch.float32).contiguous(), keys, block_min, block_max,
+        index_tensor(row_to_request).contiguous(), int(block_size), float(margin), int(cap), int(blocks))

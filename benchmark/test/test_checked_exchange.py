@@ -331,13 +331,21 @@ def decode_state(rows, lengths, query, key, block):
     return keys, query.transpose(0, 1) * 0.7, boxes
 
 
+def _verified_decoders():
+    from benchmark.candidates import verified_exchange as v
+
+    return {"torch": v.verified_exchange_decode, "cpp": v.verified_exchange_cpu}
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
 @settings(max_examples=100, deadline=None)
-@given(cases(), st.integers(1, 6))
-def test_the_verified_decode_shape_matches_the_harness(case, blocks):
-    """``verified_exchange_decode`` (block boxes kept as keys arrive) chooses what the
-    full-logit ``verified_exchange_rows`` does."""
-    from benchmark.candidates.verified_exchange import verified_exchange_decode
+@given(case=cases(), blocks=st.integers(1, 6))
+def test_the_verified_decode_shape_matches_the_harness(impl, case, blocks):
+    """``verified_exchange_decode`` (block boxes kept as keys arrive) and its C++ pass choose
+    what the full-logit ``verified_exchange_rows`` does."""
     from benchmark.quality.witness_exchange import VerifiedExchange
+
+    verified_exchange_decode = _verified_decoders()[impl]
 
     rows, lengths, query, key, block, checked, _ = case
     ex = VerifiedExchange(checked.cap, checked.margin, blocks)
@@ -397,3 +405,20 @@ def test_block_boxes_name_bad_arguments():
     with pytest.raises(ValueError, match=r"keys, positions, request_ids: expected \[T, 4\], \[T\], \[T\], "
                                          r"got \[3, 5\], \[3\], \[3\]"):
         boxes.update(torch.zeros(3, 5), torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+
+
+def test_the_verified_kernel_names_a_bad_index_before_any_work():
+    from benchmark.candidates.verified_exchange import BlockBoxes, verified_exchange_cpu
+
+    boxes = BlockBoxes(1, 2, 4, block_size=2)
+    keys = torch.randn(1, 4, 4)
+    boxes.update(keys[0], torch.arange(4), torch.zeros(4, dtype=torch.int64))
+    kmin, kmax = boxes.tables()
+    rows = torch.tensor([[0, 3]], dtype=torch.int32)
+    args = (torch.tensor([3]), torch.randn(1, 2, 2), keys, kmin, kmax, torch.tensor([0]), 2, 1.0, 1, 1)
+    before = rows.clone()
+    with pytest.raises(RuntimeError, match="rows: expected -1 or a position below the row's length 3, got 3 at row 0"):
+        verified_exchange_cpu(rows, *args)
+    assert torch.equal(rows, before)
+    with pytest.raises(RuntimeError, match=r"row_to_request: expected values in \[0, 1\), got 1 at row 0"):
+        verified_exchange_cpu(torch.tensor([[0, 1]]), *args[:5], torch.tensor([1]), *args[6:])

@@ -30,7 +30,7 @@ def _build_directory(name: str) -> str:
 
 
 class CppKernel:
-    """The extension compiled from ``source`` (a file name in this folder).
+    """The extension compiled from ``source`` (a file name in this folder, or an absolute path).
 
     ``prefix`` names the module and its build folder (the hash is appended); ``cflags`` /
     ``ldflags`` go to the compiler and linker.
