@@ -526,9 +526,12 @@ SHARING_PARTS = ("hook", "update", "scores", "merge")
 # the scores and the merge (benchmark/candidates/checked_exchange.py), and the verified token
 # exchange with its block-box update, which would replace the whole hook
 # (benchmark/candidates/verified_exchange.py; 64 candidate blocks, as the harness runs it), in
-# torch ops and (``verified_cpp``, CPU only) as one C++ pass per row.
-SHARING_ALTERNATIVES = ("checked", "verified", "verified_cpp")
+# torch ops and (``verified_cpp``, CPU only) as one C++ pass per row; ``verified_cpp_b32``: the
+# same with boxes of 32-token blocks and 16 candidate blocks (the same 512 candidate tokens,
+# a quarter of the box tables' bytes).
+SHARING_ALTERNATIVES = ("checked", "verified", "verified_cpp", "verified_cpp_b32")
 VERIFIED_BLOCKS = 64
+COARSE_BOX_BLOCK = 32
 
 
 def sharing_layer_calls(device: torch.device, batch: int, gen: torch.Generator, *, heads: int, kv_heads: int,
@@ -618,11 +621,22 @@ def sharing_layer_calls(device: torch.device, batch: int, gen: torch.Generator, 
         return verified_exchange_cpu(rows, lengths, queries, cache, kmin, kmax, request_ids, block_size, 1.0, cap,
                                      VERIFIED_BLOCKS)
 
+    coarse = BlockBoxes(B, -(-(context + 1) // COARSE_BOX_BLOCK), K, block_size=COARSE_BOX_BLOCK, device=device)
+    coarse.update(cache[:, :context].reshape(B * context, K), torch.arange(context).repeat(B).to(device),
+                  torch.arange(B).repeat_interleave(context).to(device))
+    coarse_blocks = VERIFIED_BLOCKS * block_size // COARSE_BOX_BLOCK
+
+    def verified_cpp_b32():
+        coarse.update(step_keys, positions, request_ids)
+        kmin, kmax = coarse.tables()
+        return verified_exchange_cpu(rows, lengths, queries, cache, kmin, kmax, request_ids, COARSE_BOX_BLOCK, 1.0,
+                                     cap, coarse_blocks)
+
     built = scores()
     calls = {"hook": hook, "update": update, "scores": scores, "merge": lambda: merge_with(built),
              "checked": checked, "verified": verified}
     if device.type == "cpu":
-        calls["verified_cpp"] = verified_cpp
+        calls["verified_cpp"], calls["verified_cpp_b32"] = verified_cpp, verified_cpp_b32
     return calls, merge_with, {"rows": rows, "queries": queries, "cache": cache}
 
 
@@ -644,7 +658,9 @@ def time_sharing_layer(device: torch.device, rounds: int, warmup: int, evict: Ca
     ``checked`` (:data:`SHARING_ALTERNATIVES`): the checked block exchange at margin 1, which
     would replace ``scores`` and ``merge``; ``verified``: the block boxes' update and the
     verified token exchange at margin 1, which would replace the whole ``hook``;
-    ``verified_cpp``: the same with the exchange's C++ pass (None off the CPU).
+    ``verified_cpp``: the same with the exchange's C++ pass (None off the CPU);
+    ``verified_cpp_b32``: that with boxes of :data:`COARSE_BOX_BLOCK` tokens and as many
+    candidate tokens (None off the CPU).
     """
     out = []
     gen = torch.Generator().manual_seed(0)
@@ -654,7 +670,7 @@ def time_sharing_layer(device: torch.device, rounds: int, warmup: int, evict: Ca
         times, warm = time_interleaved(calls, device, max(rounds, 20), warmup, evict)
         row = {"batch": B, **{k: shape[k] for k in ("context", "width", "block_size", "witness_blocks", "share")}}
         for part in SHARING_PARTS + SHARING_ALTERNATIVES:
-            ran = part in times  # verified_cpp runs on the CPU only
+            ran = part in times  # the C++ passes run on the CPU only
             row[f"{part}_us"] = 1e3 * statistics.median(times[part]) if ran else None
             row[f"{part}_warm_us"] = 1e3 * statistics.median(warm[part]) if ran else None
         row["rest_us"] = row["hook_us"] - sum(row[f"{p}_us"] for p in SHARING_PARTS[1:])
@@ -714,16 +730,17 @@ def main(argv: Optional[List[str]] = None) -> int:
           "reused rows, as the e2e serves query_group_mass witnesses; its parts alone; rest: hook - parts; SmolLM2's "
           "9 over 3 heads of 64, 8k, W 1024, 64 witness blocks of 8 at most a quarter of W; cold, warm beside; "
           "checked: the checked block exchange that would replace scores + merge; verified: block-box update + the "
-          "verified token exchange (64 candidate blocks; torch ops, and cpp: one C++ pass per row, CPU only) that "
-          "would replace the hook; neither in the hook)")
+          "verified token exchange (64 candidate blocks; torch ops, and cpp: one C++ pass per row, CPU only; "
+          "cpp_b32: boxes of 32-token blocks, 16 candidates) that would replace the hook; neither in the hook)")
     print("batch\thook_us\tupdate_us\tscores_us\tmerge_us\trest_us\thook_warm_us\tupdate_warm_us\tscores_warm_us\t"
           "merge_warm_us\tchecked_us\tchecked_warm_us\tverified_us\tverified_warm_us\tverified_cpp_us\t"
-          "verified_cpp_warm_us")
+          "verified_cpp_warm_us\tverified_cpp_b32_us\tverified_cpp_b32_warm_us")
     for t in sharing:
         print("\t".join([str(t["batch"])] + ["n/a" if t[k] is None else f"{t[k]:.1f}" for k in (
             "hook_us", "update_us", "scores_us", "merge_us", "rest_us", "hook_warm_us", "update_warm_us",
             "scores_warm_us", "merge_warm_us", "checked_us", "checked_warm_us", "verified_us",
-            "verified_warm_us", "verified_cpp_us", "verified_cpp_warm_us")]))
+            "verified_warm_us", "verified_cpp_us", "verified_cpp_warm_us", "verified_cpp_b32_us",
+            "verified_cpp_b32_warm_us")]))
     if args.json:
         path = args.json
         if not os.path.isabs(path) and os.environ.get("BUILD_WORKING_DIRECTORY"):

@@ -71,12 +71,14 @@ def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
     assert sharing[1].split("\t") == ["batch", "hook_us", "update_us", "scores_us", "merge_us", "rest_us",
                                        "hook_warm_us", "update_warm_us", "scores_warm_us", "merge_warm_us",
                                        "checked_us", "checked_warm_us", "verified_us", "verified_warm_us",
-                                       "verified_cpp_us", "verified_cpp_warm_us"]
+                                       "verified_cpp_us", "verified_cpp_warm_us", "verified_cpp_b32_us",
+                                       "verified_cpp_b32_warm_us"]
     assert [line.split("\t")[0] for line in sharing[2:]] == [str(b) for b in bench.SHARING_BATCHES]
     for t in payload["sharing_layer"]:
-        ran = [p for p in bench.SHARING_PARTS + bench.SHARING_ALTERNATIVES if DEVICE == "cpu" or p != "verified_cpp"]
+        cpp = ("verified_cpp", "verified_cpp_b32")
+        ran = [p for p in bench.SHARING_PARTS + bench.SHARING_ALTERNATIVES if DEVICE == "cpu" or p not in cpp]
         assert all(t[f"{p}_us"] > 0 and t[f"{p}_warm_us"] > 0 for p in ran)
-        assert (t["verified_cpp_us"] is None) == (DEVICE != "cpu")
+        assert all((t[f"{p}_us"] is None) == (DEVICE != "cpu") for p in cpp)
         assert t["rest_us"] == pytest.approx(t["hook_us"] - t["update_us"] - t["scores_us"] - t["merge_us"])
         assert (t["width"], t["block_size"], t["witness_blocks"], t["share"]) == (1024, 8, 64, 0.25)
 
@@ -118,6 +120,12 @@ def test_the_timed_sharing_hook_is_the_merge_of_the_reused_rows():
         fast, fast_swaps = a["verified_cpp"]()
         assert torch.equal(fast_swaps, swaps)
         assert [sorted(r) for r in fast.tolist()] == [sorted(r) for r in verified.tolist()]
+        coarse, coarse_swaps = a["verified_cpp_b32"]()  # 32-token boxes: what the harness chooses with them
+        for b_ in range(2):
+            want, n = verified_exchange_rows(rows[b_:b_ + 1], torch.tensor([513]), queries[b_].unsqueeze(1),
+                                             cache[b_].view(513, 3, 64).transpose(0, 1), 1.0, bench.COARSE_BOX_BLOCK,
+                                             VerifiedExchange(Fraction(1, 4), 1.0, 16))
+            assert int(n) == int(coarse_swaps[b_]) and sorted(want[0].tolist()) == sorted(coarse[b_].tolist())
 
 
 def _row(mode, backend, policy_ms, layer_ms=None, topk_ms=0.2, rows=1, seq_len=8192, scored=False):
