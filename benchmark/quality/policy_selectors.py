@@ -161,15 +161,16 @@ PolicySettings.__doc__ = """Policy configuration used by every policy selector (
         have, scanned or reused); in ``--policy-mode-settings`` the list's commas continue
         the value (``MODE:structure_layers=1,17,witness_blocks=64``)
     witness_exchange : ``MARGIN:PROTECT`` (e.g. ``2:1/2``), ``checked:MARGIN`` (e.g.
-        ``checked:1``), ``verified:MARGIN:BLOCKS`` (e.g. ``verified:1:64``), or empty
+        ``checked:1``), ``verified:MARGIN:BLOCKS[:RANK]`` (e.g. ``verified:1:64``), or empty
         (default): instead of the mode's merge, an exchange of
         :mod:`benchmark.quality.witness_exchange` into the base rows, at most
         ``max_structural_fraction`` of ``W`` swapped; witnesses only (``sink_tokens=0``,
         ``local_blocks=0``). ``MARGIN:PROTECT``: the mass-gated exchange, ranked by the witness
         signal (not ``recency``); ``checked:MARGIN``: the checked block exchange (exact
         in-row masses, a Jensen bound for whole blocks; plain causal logits only);
-        ``verified:MARGIN:BLOCKS``: the verified token exchange (exact masses on both sides, for
-        the tokens of the ``BLOCKS`` blocks of highest upper bound). Harness
+        ``verified:MARGIN:BLOCKS[:RANK]``: the verified token exchange (exact masses on both
+        sides, for the tokens of the ``BLOCKS`` blocks ranked highest: ``box`` (default), by an
+        upper bound from their keys' bounding box; ``mean``, by their outsiders' mean logit). Harness
         only: serving has no exchange
     mode_overrides : ``((mode, ((field, value), ...)), ...)``: settings that differ for one
         mode (e.g. ``topology_only`` with smaller blocks), applied by :meth:`for_mode`

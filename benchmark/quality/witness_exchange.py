@@ -174,19 +174,21 @@ CHECKED = "checked"
 
 def parse_any_exchange_setting(text: str, cap: float, where: str):
     """``witness_exchange``: ``MARGIN:PROTECT`` (:class:`Exchange`), ``checked:MARGIN``
-    (:class:`CheckedExchange`) or ``verified:MARGIN:BLOCKS`` (:class:`VerifiedExchange`),
+    (:class:`CheckedExchange`) or ``verified:MARGIN:BLOCKS[:RANK]`` (:class:`VerifiedExchange`),
     capped at ``cap``; :class:`UsageError` naming ``where``."""
     head, _, rest = text.partition(":")
     if head.strip() == VERIFIED:
         parts = rest.split(":")
         try:
             margin, blocks = float(parts[0]), int(parts[1])
-            if len(parts) != 2:
+            if len(parts) not in (2, 3):
                 raise ValueError
         except (ValueError, IndexError):
-            raise UsageError(f"{where}: expected verified:MARGIN:BLOCKS (e.g. verified:1:64), got {text!r}") from None
+            raise UsageError(f"{where}: expected verified:MARGIN:BLOCKS[:RANK] (e.g. verified:1:64 or "
+                             f"verified:1:64:mean), got {text!r}") from None
         try:
-            return VerifiedExchange(Fraction(cap).limit_denominator(1 << 16), margin, blocks)
+            return VerifiedExchange(Fraction(cap).limit_denominator(1 << 16), margin, blocks,
+                                    parts[2].strip() if len(parts) == 3 else BOX)
         except ValueError as exc:
             raise UsageError(f"{where} {text!r}: {exc}") from None
     if head.strip() != CHECKED:
@@ -224,45 +226,21 @@ def checked_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: torc
     post-RoPE; ``key``: ``[Hkv, L, D]`` (query head ``h`` reads KV head ``h // (H // Hkv)``).
     """
     T, W = rows.shape
-    H, _, D = query.shape
     keys = _head_keys(rows, lengths, query, key)  # [H, L, D]
-    L = keys.shape[1]
     cap = int(exchange.cap * W)
     out = rows.clone()
     swaps = torch.zeros(T, dtype=torch.int64, device=rows.device)
     if T == 0 or cap == 0:
         return out, swaps
-    N = -(-L // block_size)
-    padded = torch.zeros(H, N * block_size, D, device=key.device)
-    padded[:, :L] = keys
-    key_sums = padded.view(H, N, block_size, D).sum(2)  # [H, N, D]: the block key-sum table
-    first = torch.arange(N, device=rows.device) * block_size
-    tail = torch.arange(1, block_size, device=rows.device)
+    key_sums = _block_key_sums(keys, block_size)  # [H, N, D]
     for t0 in range(0, T, query_chunk):
         t1 = min(T, t0 + query_chunk)
         n = lengths[t0:t1].to(torch.int64)
         r = rows[t0:t1].to(torch.int64)
-        Tc = t1 - t0
-        valid = r >= 0
-        idx = r.clamp(min=0)
         q = query[:, t0:t1].to(torch.float32)
         logit, entry, log_z, outs = _row_logits(q, keys, scaling, r, n)
         mass = torch.exp(entry - log_z).sum(0)  # [Tc, W]; 0 at padding
-        # The logits of each block's tokens below the row's length: q . (key sum) less the
-        # tokens of the row's last block at and past its length.
-        block_logit = torch.matmul(q, key_sums.transpose(1, 2)) * scaling  # [H, Tc, N]
-        past = n.unsqueeze(1) - 1 + tail.unsqueeze(0)  # [Tc, bs - 1]
-        past_ok = (past < L) & (past // block_size == ((n - 1) // block_size).unsqueeze(1))
-        past_logit = logit.gather(2, past.clamp(max=L - 1).unsqueeze(0).expand(H, -1, -1)).masked_fill(~past_ok, 0.0)
-        last = ((n - 1) // block_size).unsqueeze(0).unsqueeze(2).expand(H, -1, 1)
-        block_logit = block_logit.scatter_add(2, last, -past_logit.sum(2, keepdim=True))
-        blk = torch.where(valid, idx // block_size, N)  # padding into a spill column
-        in_sum = torch.zeros(H, Tc, N + 1, device=rows.device).scatter_add_(
-            2, blk.unsqueeze(0).expand(H, -1, -1), entry.masked_fill(~valid, 0.0))[:, :, :N]
-        in_count = torch.zeros(Tc, N + 1, device=rows.device).scatter_add_(1, blk, valid.to(torch.float32))[:, :N]
-        visible = (n.unsqueeze(1) - first.unsqueeze(0)).clamp(0, block_size).to(torch.float32)  # [Tc, N]
-        n_out = (visible - in_count).clamp(min=0)
-        mean_out = (block_logit - in_sum) / n_out.clamp(min=1)
+        mean_out, n_out = _outsider_means(q, key_sums, logit, entry, r, n, scaling, block_size)
         bound = (n_out * torch.exp((mean_out - log_z).clamp(max=80.0))).sum(0)  # [Tc, N]
         k, chunk = take_blocks(r, mass, bound, n_out, outs, n, exchange.margin, cap, block_size)
         out[t0:t1] = chunk.to(rows.dtype)
@@ -274,23 +252,32 @@ def checked_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: torc
 class VerifiedExchange:
     """The verified token exchange (:func:`verified_exchange_rows`): ``cap``, most entries
     swapped, a share of ``W``; ``margin``: a token goes in only when its exact mass exceeds
-    ``margin`` times that of the entry it replaces; ``blocks``: candidate blocks read per row."""
+    ``margin`` times that of the entry it replaces; ``blocks``: candidate blocks read per row;
+    ``rank``: how they are named (:data:`RANKS`)."""
 
     cap: Fraction
     margin: float
     blocks: int
+    rank: str = "box"
 
     def __post_init__(self) -> None:
         _check_cap_margin(self.cap, self.margin)
         if self.blocks < 1:
             raise ValueError(f"blocks: expected an integer >= 1, got {self.blocks}")
+        if self.rank not in RANKS:
+            raise ValueError(f"rank: expected one of {', '.join(RANKS)}, got {self.rank!r}")
 
     @property
     def name(self) -> str:
-        return f"verified:{self.cap}:{self.margin:g}:{self.blocks}"
+        return f"verified:{self.cap}:{self.margin:g}:{self.blocks}" + ("" if self.rank == BOX else f":{self.rank}")
 
 
 VERIFIED = "verified"
+# How the verified exchange names its candidate blocks: ``box``, by each block's upper bound on
+# a token's mass (its keys' bounding box); ``mean``, by the mean mass of its tokens outside the
+# row (its key sum less the in-row tokens' logits, what the checked exchange's bound reads).
+BOX, MEAN = "box", "mean"
+RANKS = (BOX, MEAN)
 
 
 def verified_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -303,10 +290,12 @@ def verified_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: tor
     Masses are the checked exchange's (:func:`checked_exchange_rows`: normalised over the
     row's own entries per query head, summed over the heads), exact on both sides:
 
-    * each block's upper bound on a token's mass, from its keys' bounding box (per head
-      ``q . c + |q| . r``, ``c`` / ``r`` the box's centre and half-width; what the
+    * ``rank`` ``box``: each block's upper bound on a token's mass, from its keys' bounding box
+      (per head ``q . c + |q| . r``, ``c`` / ``r`` the box's centre and half-width; what the
       ``query_bound`` witness signal reads), names the ``blocks`` candidate blocks with a
-      token outside the row, the highest first;
+      token outside the row, the highest first; ``mean``: the mass at the mean logit of the
+      block's tokens outside the row (from the block key-sum table, as the checked exchange)
+      names them instead;
     * their tokens outside the row are read: exact masses;
     * those tokens, most mass first, replace the row's entries, least mass first, pair by
       pair while the token's mass exceeds ``margin`` times the entry's, at most ``cap * W``.
@@ -324,11 +313,14 @@ def verified_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: tor
     if T == 0 or cap == 0:
         return out, swaps
     N = -(-L // block_size)
-    lo = torch.full((H, N * block_size, D), float("inf"), device=key.device)
-    hi = torch.full((H, N * block_size, D), float("-inf"), device=key.device)
-    lo[:, :L], hi[:, :L] = keys, keys
-    kmin, kmax = lo.view(H, N, block_size, D).amin(2), hi.view(H, N, block_size, D).amax(2)  # [H, N, D]
-    centre, half = (kmin + kmax) / 2, (kmax - kmin) / 2
+    if exchange.rank == BOX:
+        lo = torch.full((H, N * block_size, D), float("inf"), device=key.device)
+        hi = torch.full((H, N * block_size, D), float("-inf"), device=key.device)
+        lo[:, :L], hi[:, :L] = keys, keys
+        kmin, kmax = lo.view(H, N, block_size, D).amin(2), hi.view(H, N, block_size, D).amax(2)  # [H, N, D]
+        centre, half = (kmin + kmax) / 2, (kmax - kmin) / 2
+    else:
+        key_sums = _block_key_sums(keys, block_size)
     pos = torch.arange(L, device=rows.device)
     for t0 in range(0, T, query_chunk):
         t1 = min(T, t0 + query_chunk)
@@ -339,9 +331,12 @@ def verified_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: tor
         logit, entry, log_z, outs = _row_logits(q, keys, scaling, r, n)
         entry_mass = torch.exp(entry - log_z).sum(0)  # [Tc, W]
         has_out = torch.zeros(Tc, N, device=rows.device).index_add_(1, pos // block_size, outs.float()) > 0
-        upper = (torch.matmul(q, centre.transpose(1, 2)) + torch.matmul(q.abs(), half.transpose(1, 2))) * scaling
-        upper_mass = torch.exp((upper - log_z).clamp(max=80.0)).sum(0).masked_fill(~has_out, float("-inf"))  # [Tc, N]
-        tok = candidate_tokens(upper_mass, exchange.blocks, block_size)  # [Tc, M * bs]
+        if exchange.rank == BOX:
+            rank = (torch.matmul(q, centre.transpose(1, 2)) + torch.matmul(q.abs(), half.transpose(1, 2))) * scaling
+        else:
+            rank = _outsider_means(q, key_sums, logit, entry, r, n, scaling, block_size)[0]
+        rank_mass = torch.exp((rank - log_z).clamp(max=80.0)).sum(0).masked_fill(~has_out, float("-inf"))  # [Tc, N]
+        tok = candidate_tokens(rank_mass, exchange.blocks, block_size)  # [Tc, M * bs]
         tok_ok = (tok < L) & outs.gather(1, tok.clamp(max=L - 1))
         tok_mass = torch.exp(logit.gather(2, tok.clamp(max=L - 1).unsqueeze(0).expand(H, -1, -1)) - log_z).sum(0)
         tok_mass = tok_mass.masked_fill(~tok_ok, float("-inf"))
@@ -349,6 +344,44 @@ def verified_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: tor
         out[t0:t1] = chunk.to(rows.dtype)
         swaps[t0:t1] = k
     return out, swaps
+
+
+def _block_key_sums(keys: torch.Tensor, block_size: int) -> torch.Tensor:
+    """fp32 ``[H, N, D]``: the block key-sum table of ``keys`` (``[H, L, D]``), the last block
+    summed over the tokens it has."""
+    H, L, D = keys.shape
+    N = -(-L // block_size)
+    padded = torch.zeros(H, N * block_size, D, device=keys.device)
+    padded[:, :L] = keys
+    return padded.view(H, N, block_size, D).sum(2)
+
+
+def _outsider_means(q: torch.Tensor, key_sums: torch.Tensor, logit: torch.Tensor, entry: torch.Tensor,
+                    r: torch.Tensor, n: torch.Tensor, scaling: float,
+                    block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For a chunk of rows (:func:`_row_logits`' outputs): ``(mean_out [H, Tc, N], n_out [Tc, N])``,
+    the mean scaled logit of each block's tokens below the row's length and not in the row
+    (0 where there are none) and their count: ``(q . key sum - the in-row tokens' logits) /
+    n_out``, the key sum less the tokens of the row's last block at and past its length."""
+    H, Tc, _ = q.shape
+    N = key_sums.shape[1]
+    L = logit.shape[2]
+    valid = r >= 0
+    block_logit = torch.matmul(q, key_sums.transpose(1, 2)) * scaling  # [H, Tc, N]
+    tail = torch.arange(1, block_size, device=r.device)
+    past = n.unsqueeze(1) - 1 + tail.unsqueeze(0)  # [Tc, bs - 1]
+    past_ok = (past < L) & (past // block_size == ((n - 1) // block_size).unsqueeze(1))
+    past_logit = logit.gather(2, past.clamp(max=L - 1).unsqueeze(0).expand(H, -1, -1)).masked_fill(~past_ok, 0.0)
+    last = ((n - 1) // block_size).unsqueeze(0).unsqueeze(2).expand(H, -1, 1)
+    block_logit = block_logit.scatter_add(2, last, -past_logit.sum(2, keepdim=True))
+    blk = torch.where(valid, r.clamp(min=0) // block_size, N)  # padding into a spill column
+    in_sum = torch.zeros(H, Tc, N + 1, device=r.device).scatter_add_(
+        2, blk.unsqueeze(0).expand(H, -1, -1), entry.masked_fill(~valid, 0.0))[:, :, :N]
+    in_count = torch.zeros(Tc, N + 1, device=r.device).scatter_add_(1, blk, valid.to(torch.float32))[:, :N]
+    first = torch.arange(N, device=r.device) * block_size
+    visible = (n.unsqueeze(1) - first.unsqueeze(0)).clamp(0, block_size).to(torch.float32)  # [Tc, N]
+    n_out = (visible - in_count).clamp(min=0)
+    return (block_logit - in_sum) / n_out.clamp(min=1), n_out
 
 
 def _head_keys(rows: torch.Tensor, lengths: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

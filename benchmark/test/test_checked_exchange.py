@@ -232,12 +232,17 @@ def verified_reference(rows, lengths, query, key, scaling, block, ex):
         upper = []
         for b in range(-(-L // block)):
             members = range(b * block, min(L, (b + 1) * block))
-            if not any(j < n and j not in row for j in members):
+            outside = [j for j in members if j < n and j not in row]
+            if not outside:
                 continue
             u = 0.0
             for h in range(H):
-                kv = key[h // group].double()
-                top = sum(max(float(query[h, t, d]) * float(kv[j, d]) for j in members) for d in range(key.shape[2]))
+                if ex.rank == "mean":  # the mass at the outsiders' mean logit
+                    top = sum(qk[h][j] for j in outside) / len(outside) / scaling
+                else:  # the greatest logit any key in the block's bounding box can have
+                    kv = key[h // group].double()
+                    top = sum(max(float(query[h, t, d]) * float(kv[j, d]) for j in members)
+                              for d in range(key.shape[2]))
                 u += math.exp(top * scaling - log_z[h])
             upper.append((-u, b))
         upper.sort()
@@ -257,12 +262,12 @@ def verified_reference(rows, lengths, query, key, scaling, block, ex):
 
 
 @settings(max_examples=120, deadline=None)
-@given(cases(), st.integers(1, 6))
-def test_verified_exchange_matches_the_reference(case, blocks):
+@given(cases(), st.integers(1, 6), st.sampled_from(["box", "mean"]))
+def test_verified_exchange_matches_the_reference(case, blocks, rank):
     from benchmark.quality.witness_exchange import VerifiedExchange, verified_exchange_rows
 
     rows, lengths, query, key, block, checked, chunk = case
-    ex = VerifiedExchange(checked.cap, checked.margin, blocks)
+    ex = VerifiedExchange(checked.cap, checked.margin, blocks, rank)
     before = (rows.clone(), lengths.clone(), query.clone(), key.clone())
     out, swaps = verified_exchange_rows(rows, lengths, query, key, 0.7, block, ex, query_chunk=chunk)
     assert all(torch.equal(a, b) for a, b in zip(before, (rows, lengths, query, key)))
@@ -301,10 +306,41 @@ def test_the_verified_exchange_finds_a_spike_the_bound_misses():
     assert n.tolist() == [1] and sorted(out[0].tolist()) == [1, 2, 4, 7]  # entry 0 (first of the ties) goes
 
 
+def test_candidates_named_by_the_outsiders_mean_find_a_dense_block_a_wide_box_hides():
+    # Blocks of 2 outside the row {0, 1}: {2, 3} has logits 3 and -9 (mean -3, box bound 3:
+    # its greatest key), {4, 5} logits 2 and 2 (mean 2, bound 2). Reading one block, `box`
+    # reads {2, 3} and swaps in token 2 (e^3); `mean` reads {4, 5} and swaps in both (2 e^2).
+    from benchmark.quality.witness_exchange import VerifiedExchange, verified_exchange_rows
+
+    keys = torch.tensor([[[0.0], [0.0], [3.0], [-9.0], [2.0], [2.0]]])
+    rows, lengths, query = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([6]), torch.ones(1, 1, 1)
+    out, n = verified_exchange_rows(rows, lengths, query, keys, 1.0, 2, VerifiedExchange(F(1), 1.0, 1))
+    assert n.tolist() == [1] and sorted(out[0].tolist()) == [1, 2]
+    out, n = verified_exchange_rows(rows, lengths, query, keys, 1.0, 2, VerifiedExchange(F(1), 1.0, 1, "mean"))
+    assert n.tolist() == [2] and sorted(out[0].tolist()) == [4, 5]
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases())
+def test_reading_every_block_makes_the_ranking_irrelevant(case):
+    from benchmark.quality.witness_exchange import VerifiedExchange, verified_exchange_rows
+
+    rows, lengths, query, key, block, checked, chunk = case
+    every = -(-key.shape[1] // block)
+    box, n_box = verified_exchange_rows(rows, lengths, query, key, 0.7, block,
+                                        VerifiedExchange(checked.cap, checked.margin, every))
+    mean, n_mean = verified_exchange_rows(rows, lengths, query, key, 0.7, block,
+                                          VerifiedExchange(checked.cap, checked.margin, every, "mean"))
+    assert torch.equal(n_box, n_mean)
+    assert [sorted(r) for r in box.tolist()] == [sorted(r) for r in mean.tolist()]
+
+
 @pytest.mark.parametrize("text, message", [
-    ("verified:1", "expected verified:MARGIN:BLOCKS (e.g. verified:1:64), got 'verified:1'"),
-    ("verified:1:x", "expected verified:MARGIN:BLOCKS"),
-    ("verified:1:2:3", "expected verified:MARGIN:BLOCKS"),
+    ("verified:1", "expected verified:MARGIN:BLOCKS[:RANK] (e.g. verified:1:64 or verified:1:64:mean), "
+                   "got 'verified:1'"),
+    ("verified:1:x", "expected verified:MARGIN:BLOCKS[:RANK]"),
+    ("verified:1:2:mean:3", "expected verified:MARGIN:BLOCKS[:RANK]"),
+    ("verified:1:2:3", "rank: expected one of box, mean, got '3'"),
     ("verified:1:0", "blocks: expected an integer >= 1, got 0"),
 ])
 def test_bad_verified_settings_name_the_setting(text, message):
@@ -312,6 +348,8 @@ def test_bad_verified_settings_name_the_setting(text, message):
         parse_any_exchange_setting(text, 0.25, "witness_exchange")
     assert message in str(err.value)
     assert parse_any_exchange_setting("verified:2:64", 0.25, "w").name == "verified:1/4:2:64"
+    assert parse_any_exchange_setting("verified:2:64:box", 0.25, "w").name == "verified:1/4:2:64"
+    assert parse_any_exchange_setting("verified:2:64:mean", 0.25, "w").name == "verified:1/4:2:64:mean"
 
 
 def decode_state(rows, lengths, query, key, block):
