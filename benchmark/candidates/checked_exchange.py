@@ -85,15 +85,7 @@ def checked_exchange_decode(rows: torch.Tensor, lengths: torch.Tensor, queries: 
     Hkv = block_sums.shape[2] // D
     req, n, r, valid, q, logit, log_z = decode_row_logits(rows, lengths, queries, keys, row_to_request, Hkv)
     entry_mass = torch.exp(logit - log_z).sum(1)  # [R, W]; 0 at padding
-    sums = block_sums[req].to(torch.float32)
-    N = sums.shape[1]
-    block_logit = torch.einsum("rgjd,rngd->rgjn", q, sums.view(R, N, Hkv, D)).reshape(R, H, N)
-    blk = torch.where(valid, r // block_size, N)  # padding into a spill column
-    in_sum = torch.zeros(R, H, N + 1, device=rows.device).scatter_add_(
-        2, blk.unsqueeze(1).expand(R, H, W), logit.masked_fill(~valid.unsqueeze(1), 0.0))[:, :, :N]
-    in_count = torch.zeros(R, N + 1, device=rows.device).scatter_add_(1, blk, valid.to(torch.float32))[:, :N]
-    n_out = (block_counts[req].to(torch.float32) - in_count).clamp(min=0)
-    mean_out = (block_logit - in_sum) / n_out.clamp(min=1).unsqueeze(1)
+    mean_out, n_out = outsider_means(req, r, valid, q, logit, block_sums, block_counts, block_size)
     bound = (n_out.unsqueeze(1) * torch.exp((mean_out - log_z).clamp(max=80.0))).sum(1)  # [R, N]
     outs = outside_row(r, n)
     swaps, out = take_blocks(r, entry_mass, bound, n_out, outs, n, margin, cap, block_size)
@@ -117,6 +109,27 @@ def decode_row_logits(rows: torch.Tensor, lengths: torch.Tensor, queries: torch.
     logit = torch.einsum("rgjd,rwgd->rgjw", q, k_row).reshape(R, H, W)
     logit = logit.masked_fill(~valid.unsqueeze(1), float("-inf"))
     return req, lengths.to(torch.int64), r, valid, q, logit, torch.logsumexp(logit, dim=2, keepdim=True)
+
+
+def outsider_means(req: torch.Tensor, r: torch.Tensor, valid: torch.Tensor, q: torch.Tensor, logit: torch.Tensor,
+                   block_sums: torch.Tensor, block_counts: torch.Tensor,
+                   block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(mean_out fp32 [R, H, N], n_out fp32 [R, N])``: per row, query head and block, the mean
+    logit of the block's tokens outside the row (0 where there are none) and their count, from
+    the request's block key sums and counts (``q . sum`` less the in-row entries' logits).
+    ``req`` ... ``logit``: :func:`decode_row_logits`' outputs; the tables as
+    :func:`checked_exchange_decode`'s."""
+    R, H, W = logit.shape
+    Hkv, D = q.shape[1], q.shape[3]
+    sums = block_sums[req].to(torch.float32)
+    N = sums.shape[1]
+    block_logit = torch.einsum("rgjd,rngd->rgjn", q, sums.view(R, N, Hkv, D)).reshape(R, H, N)
+    blk = torch.where(valid, r // block_size, N)  # padding into a spill column
+    in_sum = torch.zeros(R, H, N + 1, device=r.device).scatter_add_(
+        2, blk.unsqueeze(1).expand(R, H, W), logit.masked_fill(~valid.unsqueeze(1), 0.0))[:, :, :N]
+    in_count = torch.zeros(R, N + 1, device=r.device).scatter_add_(1, blk, valid.to(torch.float32))[:, :N]
+    n_out = (block_counts[req].to(torch.float32) - in_count).clamp(min=0)
+    return (block_logit - in_sum) / n_out.clamp(min=1).unsqueeze(1), n_out
 
 
 def outside_row(r: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from benchmark.candidates.checked_exchange import decode_row_logits, outside_row
+from benchmark.candidates.checked_exchange import decode_row_logits, outside_row, outsider_means
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.cpp_extension import CppKernel
 from rtp_llm.models_py.modules.hybrid.topology_kv.kernels.cpu_drift import index_tensor
 
@@ -151,12 +151,42 @@ def verified_exchange_decode(rows: torch.Tensor, lengths: torch.Tensor, queries:
     visible = (n.unsqueeze(1) - first.unsqueeze(0)).clamp(0, block_size)
     has_out = visible > in_count  # empty boxes (NaN bounds) never have a token outside the row
     upper_mass = torch.exp((upper - log_z).clamp(max=80.0)).sum(1).masked_fill(~has_out, float("-inf"))
-    tok = candidate_tokens(upper_mass, blocks, block_size)
+    return _exchange_candidates(req, n, r, q, log_z, entry_mass, upper_mass, keys, block_size, margin, cap, blocks)
+
+
+def verified_exchange_mean_decode(rows: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
+                                  keys: torch.Tensor, block_sums: torch.Tensor, block_counts: torch.Tensor,
+                                  row_to_request: torch.Tensor, block_size: int, margin: float, cap: int,
+                                  blocks: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verified_exchange_decode` with its candidate blocks named by rank ``mean``: the
+    mass at the mean logit of each block's tokens outside the row, from the request's block key
+    sums and counts (the drift tracker's ``block_sums``, as the checked exchange reads them)
+    instead of bounding boxes. ``block_sums`` / ``block_counts``: ``[B, N, Hkv * D]`` / ``[B,
+    N]``, holding exactly the keys below the row's length; the rest as
+    :func:`verified_exchange_decode`'s. The inputs are not modified."""
+    R, W = rows.shape
+    if cap <= 0 or R == 0:
+        return rows.clone().to(torch.int32), torch.zeros(R, dtype=torch.int64, device=rows.device)
+    D = queries.shape[2]
+    Hkv = block_sums.shape[2] // D
+    req, n, r, valid, q, logit, log_z = decode_row_logits(rows, lengths, queries, keys, row_to_request, Hkv)
+    entry_mass = torch.exp(logit - log_z).sum(1)  # [R, W]
+    mean_out, n_out = outsider_means(req, r, valid, q, logit, block_sums, block_counts, block_size)
+    mean_mass = torch.exp((mean_out - log_z).clamp(max=80.0)).sum(1).masked_fill(n_out <= 0, float("-inf"))
+    return _exchange_candidates(req, n, r, q, log_z, entry_mass, mean_mass, keys, block_size, margin, cap, blocks)
+
+
+def _exchange_candidates(req, n, r, q, log_z, entry_mass, rank_mass, keys, block_size, margin, cap, blocks):
+    """The decode exchange after its ranking: the tokens outside the row of the ``blocks``
+    blocks of highest ``rank_mass`` (``[R, N]``), their exact masses, and :func:`take_tokens`'
+    choice, as ``(rows int32 [R, W], swaps int64 [R])``."""
+    R, Hkv, G, D = q.shape
+    tok = candidate_tokens(rank_mass, blocks, block_size)
     outs = torch.nn.functional.pad(outside_row(r, n), (0, 1))  # a False column for tokens past every length
     tok_ok = outs.gather(1, tok.clamp(max=outs.shape[1] - 1))
     k_tok = keys[req.unsqueeze(1), tok.clamp(max=keys.shape[1] - 1)].to(torch.float32)
     k_tok = k_tok.view(R, tok.shape[1], Hkv, D)
-    tok_logit = torch.einsum("rgjd,rcgd->rgjc", q, k_tok).reshape(R, H, -1)
+    tok_logit = torch.einsum("rgjd,rcgd->rgjc", q, k_tok).reshape(R, Hkv * G, -1)
     tok_mass = torch.exp(tok_logit - log_z).sum(1).masked_fill(~tok_ok, float("-inf"))
     swaps, out = take_tokens(r, entry_mass, tok, tok_mass, n, margin, cap)
     return out.to(torch.int32), swaps

@@ -369,10 +369,53 @@ def decode_state(rows, lengths, query, key, block):
     return keys, query.transpose(0, 1) * 0.7, boxes
 
 
+_MEAN_DECODERS = ["verified_exchange_mean_decode"]
+
+
 def _verified_decoders():
     from benchmark.candidates import verified_exchange as v
 
     return {"torch": v.verified_exchange_decode, "cpp": v.verified_exchange_cpu}
+
+
+def block_sums_of(keys, lengths, block):
+    """The drift tracker's tables for :func:`decode_state`'s requests: ``(sums [T, N, K], counts [T, N])``."""
+    T, L, K = keys.shape
+    N = -(-L // block)
+    sums, counts = torch.zeros(T, N, K), torch.zeros(T, N)
+    for t in range(T):
+        for j in range(int(lengths[t])):
+            sums[t, j // block] += keys[t, j]
+            counts[t, j // block] += 1
+    return sums, counts
+
+
+@pytest.mark.parametrize("impl", _MEAN_DECODERS)
+@settings(max_examples=100, deadline=None)
+@given(case=cases(), blocks=st.integers(1, 6))
+def test_the_mean_ranked_decode_shape_matches_the_harness(impl, case, blocks):
+    """``verified_exchange_mean_decode`` (the drift tracker's block sums and counts) chooses what
+    the full-logit ``verified_exchange_rows`` does with rank ``mean``."""
+    from benchmark.candidates import verified_exchange as v
+    from benchmark.quality.witness_exchange import VerifiedExchange
+
+    rows, lengths, query, key, block, checked, _ = case
+    ex = VerifiedExchange(checked.cap, checked.margin, blocks, "mean")
+    T, W = rows.shape
+    keys, queries, _ = decode_state(rows, lengths, query, key, block)
+    sums, counts = block_sums_of(keys, lengths, block)
+    before = (rows.clone(), keys.clone(), sums.clone(), counts.clone(), queries.clone())
+    got, swaps = getattr(v, impl)(rows, lengths, queries, keys, sums, counts, torch.arange(T), block,
+                                  ex.margin, int(ex.cap * W), blocks)
+    assert all(torch.equal(a, b) for a, b in zip(before, (rows, keys, sums, counts, queries)))
+    assert got.dtype == torch.int32
+    for t in range(T):
+        n = int(lengths[t])
+        want, want_swaps, closest = verified_reference(rows[t:t + 1], lengths[t:t + 1], query[:, t:t + 1],
+                                                       key[:, :n], 0.7, block, ex)
+        if closest > 1e-4:  # float32 against float64: no decision on a knife's edge
+            assert int(swaps[t]) == want_swaps[0]
+            assert sorted(got[t].tolist()) == sorted(want[0].tolist())
 
 
 @pytest.mark.parametrize("impl", ["torch", "cpp"])
