@@ -209,3 +209,16 @@ def verified_exchange_cpu(rows: torch.Tensor, lengths: torch.Tensor, queries: to
         rows.to(torch.int64).contiguous(), index_tensor(lengths).contiguous(),
         queries.to(torch.float32).contiguous(), keys, block_min, block_max,
         index_tensor(row_to_request).contiguous(), int(block_size), float(margin), int(cap), int(blocks))
+
+
+def verified_exchange_mean_cpu(rows: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor,
+                               block_sums: torch.Tensor, block_counts: torch.Tensor, row_to_request: torch.Tensor,
+                               block_size: int, margin: float, cap: int,
+                               blocks: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verified_exchange_mean_decode`'s choice in one C++ call (CPU tensors; fp32 key sums
+    of any leading strides, as ``BlockDriftTracker.block_sums`` gives them). Equal to it up to
+    fp32 rounding; errors as :func:`verified_exchange_cpu`'s."""
+    return _KERNEL.load().verified_exchange_mean(
+        rows.to(torch.int64).contiguous(), index_tensor(lengths).contiguous(),
+        queries.to(torch.float32).contiguous(), keys, block_sums, block_counts.to(torch.float32).contiguous(),
+        index_tensor(row_to_request).contiguous(), int(block_size), float(margin), int(cap), int(blocks))

@@ -369,7 +369,7 @@ def decode_state(rows, lengths, query, key, block):
     return keys, query.transpose(0, 1) * 0.7, boxes
 
 
-_MEAN_DECODERS = ["verified_exchange_mean_decode"]
+_MEAN_DECODERS = ["verified_exchange_mean_decode", "verified_exchange_mean_cpu"]
 
 
 def _verified_decoders():
@@ -503,3 +503,24 @@ def test_the_verified_kernel_names_a_bad_index_before_any_work():
     assert torch.equal(rows, before)
     with pytest.raises(RuntimeError, match=r"row_to_request: expected values in \[0, 1\), got 1 at row 0"):
         verified_exchange_cpu(torch.tensor([[0, 1]]), *args[:5], torch.tensor([1]), *args[6:])
+
+
+def test_the_mean_ranked_kernel_names_bad_tables_and_indices_before_any_work():
+    from benchmark.candidates.verified_exchange import verified_exchange_mean_cpu
+
+    keys = torch.randn(1, 4, 4)
+    sums, counts = block_sums_of(keys, torch.tensor([4]), 2)
+    rows = torch.tensor([[0, 3]], dtype=torch.int32)
+    before = (rows.clone(), keys.clone(), sums.clone(), counts.clone())
+    args = [torch.tensor([3]), torch.randn(1, 2, 2), keys, sums, counts, torch.tensor([0]), 2, 1.0, 1, 1]
+    with pytest.raises(RuntimeError, match="rows: expected -1 or a position below the row's length 3, got 3 at row 0"):
+        verified_exchange_mean_cpu(rows, *args)
+    bad = list(args)
+    bad[4] = counts[:, :1]
+    with pytest.raises(RuntimeError, match=r"block_counts: expected contiguous float32 \[1, 2\], got Float of shape \[1, 1\]"):
+        verified_exchange_mean_cpu(torch.tensor([[0, 1]]), *bad)
+    bad = list(args)
+    bad[3] = sums[:, :, :2]
+    with pytest.raises(RuntimeError, match=r"block_sums: expected float32 \[1, N, 4\]"):
+        verified_exchange_mean_cpu(torch.tensor([[0, 1]]), *bad)
+    assert all(torch.equal(a, b) for a, b in zip(before, (rows, keys, sums, counts)))
