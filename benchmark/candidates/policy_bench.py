@@ -528,8 +528,12 @@ SHARING_PARTS = ("hook", "update", "scores", "merge")
 # (benchmark/candidates/verified_exchange.py; 64 candidate blocks, as the harness runs it), in
 # torch ops and (``verified_cpp``, CPU only) as one C++ pass per row; ``verified_cpp_b32``: the
 # same with boxes of 32-token blocks and 16 candidate blocks (the same 512 candidate tokens,
-# a quarter of the box tables' bytes).
-SHARING_ALTERNATIVES = ("checked", "verified", "verified_cpp", "verified_cpp_b32")
+# a quarter of the box tables' bytes); ``verified_mean`` / ``verified_mean_cpp``: the exchange
+# with its candidate blocks ranked by their outsiders' mean logit, from the drift tracker's
+# key sums (updated with the step's key, as the hook does) instead of boxes.
+SHARING_ALTERNATIVES = ("checked", "verified", "verified_cpp", "verified_cpp_b32", "verified_mean",
+                        "verified_mean_cpp")
+CPP_ALTERNATIVES = ("verified_cpp", "verified_cpp_b32", "verified_mean_cpp")  # CPU only
 VERIFIED_BLOCKS = 64
 COARSE_BOX_BLOCK = 32
 
@@ -548,7 +552,8 @@ def sharing_layer_calls(device: torch.device, batch: int, gen: torch.Generator, 
     the reused ``rows``, the ``queries`` (times the softmax scale) and each request's keys
     ``cache`` the exchanges read. The shape keywords are :data:`SHARING_SHAPE`'s."""
     from benchmark.candidates.checked_exchange import checked_exchange_decode
-    from benchmark.candidates.verified_exchange import BlockBoxes, verified_exchange_cpu, verified_exchange_decode
+    from benchmark.candidates.verified_exchange import (BlockBoxes, verified_exchange_cpu, verified_exchange_decode,
+                                                        verified_exchange_mean_cpu, verified_exchange_mean_decode)
     from rtp_llm.models_py.modules.hybrid.indexer import Indexer
     from rtp_llm.models_py.modules.hybrid.indexer_params import IndexerAttentionInputs, IndexerFmhaParams
     from rtp_llm.models_py.modules.hybrid.indexer_share import IndexerSharePlan, SharedTopkRows
@@ -632,11 +637,27 @@ def sharing_layer_calls(device: torch.device, batch: int, gen: torch.Generator, 
         return verified_exchange_cpu(rows, lengths, queries, cache, kmin, kmax, request_ids, COARSE_BOX_BLOCK, 1.0,
                                      cap, coarse_blocks)
 
+    # A tracker over the cache's keys: its first step makes it hold exactly the row's keys (each
+    # later timed call adds the step's key again, the hook's repeated update).
+    sums = BlockDriftTracker(B, -(-(context + 1) // block_size), K, block_size=block_size, device=device)
+    sums.update(cache[:, :context].reshape(B * context, K), torch.arange(context).repeat(B).to(device),
+                torch.arange(B).repeat_interleave(context).to(device))
+
+    def verified_mean():
+        sums.update(step_keys, positions, request_ids)
+        return verified_exchange_mean_decode(rows, lengths, queries, cache, sums.block_sums(), sums.block_counts(),
+                                             request_ids, block_size, 1.0, cap, VERIFIED_BLOCKS)
+
+    def verified_mean_cpp():
+        sums.update(step_keys, positions, request_ids)
+        return verified_exchange_mean_cpu(rows, lengths, queries, cache, sums.block_sums(), sums.block_counts(),
+                                          request_ids, block_size, 1.0, cap, VERIFIED_BLOCKS)
+
     built = scores()
     calls = {"hook": hook, "update": update, "scores": scores, "merge": lambda: merge_with(built),
-             "checked": checked, "verified": verified}
+             "checked": checked, "verified": verified, "verified_mean": verified_mean}
     if device.type == "cpu":
-        calls["verified_cpp"], calls["verified_cpp_b32"] = verified_cpp, verified_cpp_b32
+        calls.update(verified_cpp=verified_cpp, verified_cpp_b32=verified_cpp_b32, verified_mean_cpp=verified_mean_cpp)
     return calls, merge_with, {"rows": rows, "queries": queries, "cache": cache}
 
 
@@ -660,7 +681,9 @@ def time_sharing_layer(device: torch.device, rounds: int, warmup: int, evict: Ca
     verified token exchange at margin 1, which would replace the whole ``hook``;
     ``verified_cpp``: the same with the exchange's C++ pass (None off the CPU);
     ``verified_cpp_b32``: that with boxes of :data:`COARSE_BOX_BLOCK` tokens and as many
-    candidate tokens (None off the CPU).
+    candidate tokens (None off the CPU); ``verified_mean`` / ``verified_mean_cpp``: the
+    tracker's update and the exchange with candidates ranked by their outsiders' mean logit
+    (torch ops; C++, None off the CPU).
     """
     out = []
     gen = torch.Generator().manual_seed(0)
@@ -670,7 +693,7 @@ def time_sharing_layer(device: torch.device, rounds: int, warmup: int, evict: Ca
         times, warm = time_interleaved(calls, device, max(rounds, 20), warmup, evict)
         row = {"batch": B, **{k: shape[k] for k in ("context", "width", "block_size", "witness_blocks", "share")}}
         for part in SHARING_PARTS + SHARING_ALTERNATIVES:
-            ran = part in times  # the C++ passes run on the CPU only
+            ran = part in times  # the C++ passes (CPP_ALTERNATIVES) run on the CPU only
             row[f"{part}_us"] = 1e3 * statistics.median(times[part]) if ran else None
             row[f"{part}_warm_us"] = 1e3 * statistics.median(warm[part]) if ran else None
         row["rest_us"] = row["hook_us"] - sum(row[f"{p}_us"] for p in SHARING_PARTS[1:])
@@ -731,16 +754,19 @@ def main(argv: Optional[List[str]] = None) -> int:
           "9 over 3 heads of 64, 8k, W 1024, 64 witness blocks of 8 at most a quarter of W; cold, warm beside; "
           "checked: the checked block exchange that would replace scores + merge; verified: block-box update + the "
           "verified token exchange (64 candidate blocks; torch ops, and cpp: one C++ pass per row, CPU only; "
-          "cpp_b32: boxes of 32-token blocks, 16 candidates) that would replace the hook; neither in the hook)")
+          "cpp_b32: boxes of 32-token blocks, 16 candidates; mean: candidates ranked by their outsiders' mean "
+          "logit from the drift tracker's key sums, torch ops and cpp) that would replace the hook; none in the hook)")
     print("batch\thook_us\tupdate_us\tscores_us\tmerge_us\trest_us\thook_warm_us\tupdate_warm_us\tscores_warm_us\t"
           "merge_warm_us\tchecked_us\tchecked_warm_us\tverified_us\tverified_warm_us\tverified_cpp_us\t"
-          "verified_cpp_warm_us\tverified_cpp_b32_us\tverified_cpp_b32_warm_us")
+          "verified_cpp_warm_us\tverified_cpp_b32_us\tverified_cpp_b32_warm_us\tverified_mean_us\t"
+          "verified_mean_warm_us\tverified_mean_cpp_us\tverified_mean_cpp_warm_us")
     for t in sharing:
         print("\t".join([str(t["batch"])] + ["n/a" if t[k] is None else f"{t[k]:.1f}" for k in (
             "hook_us", "update_us", "scores_us", "merge_us", "rest_us", "hook_warm_us", "update_warm_us",
             "scores_warm_us", "merge_warm_us", "checked_us", "checked_warm_us", "verified_us",
             "verified_warm_us", "verified_cpp_us", "verified_cpp_warm_us", "verified_cpp_b32_us",
-            "verified_cpp_b32_warm_us")]))
+            "verified_cpp_b32_warm_us", "verified_mean_us", "verified_mean_warm_us", "verified_mean_cpp_us",
+            "verified_mean_cpp_warm_us")]))
     if args.json:
         path = args.json
         if not os.path.isabs(path) and os.environ.get("BUILD_WORKING_DIRECTORY"):

@@ -72,10 +72,11 @@ def test_tiny_grid_prints_table_targets_and_json(tmp_path, capsys):
                                        "hook_warm_us", "update_warm_us", "scores_warm_us", "merge_warm_us",
                                        "checked_us", "checked_warm_us", "verified_us", "verified_warm_us",
                                        "verified_cpp_us", "verified_cpp_warm_us", "verified_cpp_b32_us",
-                                       "verified_cpp_b32_warm_us"]
+                                       "verified_cpp_b32_warm_us", "verified_mean_us", "verified_mean_warm_us",
+                                       "verified_mean_cpp_us", "verified_mean_cpp_warm_us"]
     assert [line.split("\t")[0] for line in sharing[2:]] == [str(b) for b in bench.SHARING_BATCHES]
     for t in payload["sharing_layer"]:
-        cpp = ("verified_cpp", "verified_cpp_b32")
+        cpp = bench.CPP_ALTERNATIVES
         ran = [p for p in bench.SHARING_PARTS + bench.SHARING_ALTERNATIVES if DEVICE == "cpu" or p not in cpp]
         assert all(t[f"{p}_us"] > 0 and t[f"{p}_warm_us"] > 0 for p in ran)
         assert all((t[f"{p}_us"] is None) == (DEVICE != "cpu") for p in cpp)
@@ -126,6 +127,20 @@ def test_the_timed_sharing_hook_is_the_merge_of_the_reused_rows():
                                              cache[b_].view(513, 3, 64).transpose(0, 1), 1.0, bench.COARSE_BOX_BLOCK,
                                              VerifiedExchange(Fraction(1, 4), 1.0, 16))
             assert int(n) == int(coarse_swaps[b_]) and sorted(want[0].tolist()) == sorted(coarse[b_].tolist())
+    # Ranked by the outsiders' mean logit (the tracker's first step: it holds exactly the row's keys).
+    (c, _, _) = case()
+    mean_rows, mean_swaps = c["verified_mean"]()
+    assert 0 < int(mean_swaps.min()) and int(mean_swaps.max()) <= 16
+    for b_ in range(2):
+        want, n = verified_exchange_rows(rows[b_:b_ + 1], torch.tensor([513]), queries[b_].unsqueeze(1),
+                                         cache[b_].view(513, 3, 64).transpose(0, 1), 1.0, 8,
+                                         VerifiedExchange(Fraction(1, 4), 1.0, bench.VERIFIED_BLOCKS, "mean"))
+        assert int(n) == int(mean_swaps[b_]) and sorted(want[0].tolist()) == sorted(mean_rows[b_].tolist())
+    if DEVICE == "cpu":
+        (d, _, _) = case()
+        fast, fast_swaps = d["verified_mean_cpp"]()
+        assert torch.equal(fast_swaps, mean_swaps)
+        assert [sorted(r) for r in fast.tolist()] == [sorted(r) for r in mean_rows.tolist()]
 
 
 def _row(mode, backend, policy_ms, layer_ms=None, topk_ms=0.2, rows=1, seq_len=8192, scored=False):
