@@ -248,6 +248,14 @@ def checked_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: torc
     return out, swaps
 
 
+VERIFIED = "verified"
+# How the verified exchange names its candidate blocks: ``box``, by each block's upper bound on
+# a token's mass (its keys' bounding box); ``mean``, by the mean mass of its tokens outside the
+# row (its key sum less the in-row tokens' logits, what the checked exchange's bound reads).
+BOX, MEAN = "box", "mean"
+RANKS = (BOX, MEAN)
+
+
 @dataclasses.dataclass(frozen=True)
 class VerifiedExchange:
     """The verified token exchange (:func:`verified_exchange_rows`): ``cap``, most entries
@@ -258,7 +266,7 @@ class VerifiedExchange:
     cap: Fraction
     margin: float
     blocks: int
-    rank: str = "box"
+    rank: str = BOX
 
     def __post_init__(self) -> None:
         _check_cap_margin(self.cap, self.margin)
@@ -270,14 +278,6 @@ class VerifiedExchange:
     @property
     def name(self) -> str:
         return f"verified:{self.cap}:{self.margin:g}:{self.blocks}" + ("" if self.rank == BOX else f":{self.rank}")
-
-
-VERIFIED = "verified"
-# How the verified exchange names its candidate blocks: ``box``, by each block's upper bound on
-# a token's mass (its keys' bounding box); ``mean``, by the mean mass of its tokens outside the
-# row (its key sum less the in-row tokens' logits, what the checked exchange's bound reads).
-BOX, MEAN = "box", "mean"
-RANKS = (BOX, MEAN)
 
 
 def verified_exchange_rows(rows: torch.Tensor, lengths: torch.Tensor, query: torch.Tensor, key: torch.Tensor,

@@ -176,6 +176,18 @@ def test_the_setting_picks_the_exchange():
     assert parse_any_exchange_setting("2:1/2", 0.25, "w") == Exchange(F(1, 4), 2.0, F(1, 2))
 
 
+def assert_rows_match(reference_fn, got, swaps, rows, lengths, query, key, block, ex):
+    """Each decode row (its own request at its full length) chose what ``reference_fn`` (the
+    float64 per-row reference) chooses, wherever no decision is on a knife's edge."""
+    for t in range(rows.shape[0]):
+        n = int(lengths[t])
+        want, want_swaps, closest = reference_fn(rows[t:t + 1], lengths[t:t + 1], query[:, t:t + 1], key[:, :n],
+                                                 0.7, block, ex)
+        if closest > 1e-4:  # float32 against float64: no decision on a knife's edge
+            assert int(swaps[t]) == want_swaps[0]
+            assert sorted(got[t].tolist()) == sorted(want[0].tolist())
+
+
 @settings(max_examples=100, deadline=None)
 @given(cases())
 def test_the_decode_shape_matches_the_harness(case):
@@ -185,30 +197,14 @@ def test_the_decode_shape_matches_the_harness(case):
 
     rows, lengths, query, key, block, ex, _ = case
     T, W = rows.shape
-    H, _, D = query.shape
-    Hkv, L, _ = key.shape
-    N = -(-L // block)
-    keys = torch.zeros(T, L, Hkv * D)
-    sums, counts = torch.zeros(T, N, Hkv * D), torch.zeros(T, N)
-    for t in range(T):  # request t holds exactly the keys below row t's length
-        n = int(lengths[t])
-        keys[t, :n] = key[:, :n].transpose(0, 1).reshape(n, Hkv * D)
-        for j in range(n):
-            sums[t, j // block] += keys[t, j]
-            counts[t, j // block] += 1
-    queries = query.transpose(0, 1) * 0.7  # [T, H, D], times the softmax scale
+    keys, queries, _ = decode_state(rows, lengths, query, key, block)
+    sums, counts = block_sums_of(keys, lengths, block)
     before = (rows.clone(), keys.clone(), sums.clone(), queries.clone())
     cap = int(ex.cap * W)
     got, swaps = checked_exchange_decode(rows, lengths, queries, keys, sums, counts, torch.arange(T), block,
                                          ex.margin, cap)
     assert all(torch.equal(a, b) for a, b in zip(before, (rows, keys, sums, queries)))
-    for t in range(T):
-        n = int(lengths[t])
-        want, want_swaps, closest = reference(rows[t:t + 1], lengths[t:t + 1], query[:, t:t + 1], key[:, :n], 0.7,
-                                              block, ex)
-        if closest > 1e-4:  # float32 against float64: no decision on a knife's edge
-            assert int(swaps[t]) == want_swaps[0]
-            assert sorted(got[t].tolist()) == sorted(want[0].tolist())
+    assert_rows_match(reference, got, swaps, rows, lengths, query, key, block, ex)
 
 
 def verified_reference(rows, lengths, query, key, scaling, block, ex):
@@ -409,13 +405,7 @@ def test_the_mean_ranked_decode_shape_matches_the_harness(impl, case, blocks):
                                   ex.margin, int(ex.cap * W), blocks)
     assert all(torch.equal(a, b) for a, b in zip(before, (rows, keys, sums, counts, queries)))
     assert got.dtype == torch.int32
-    for t in range(T):
-        n = int(lengths[t])
-        want, want_swaps, closest = verified_reference(rows[t:t + 1], lengths[t:t + 1], query[:, t:t + 1],
-                                                       key[:, :n], 0.7, block, ex)
-        if closest > 1e-4:  # float32 against float64: no decision on a knife's edge
-            assert int(swaps[t]) == want_swaps[0]
-            assert sorted(got[t].tolist()) == sorted(want[0].tolist())
+    assert_rows_match(verified_reference, got, swaps, rows, lengths, query, key, block, ex)
 
 
 @pytest.mark.parametrize("impl", ["torch", "cpp"])
@@ -438,13 +428,7 @@ def test_the_verified_decode_shape_matches_the_harness(impl, case, blocks):
                                           ex.margin, int(ex.cap * W), blocks)
     assert all(torch.equal(a, b) for a, b in zip(before, (rows, keys, kmin, kmax, queries)))
     assert got.dtype == torch.int32
-    for t in range(T):
-        n = int(lengths[t])
-        want, want_swaps, closest = verified_reference(rows[t:t + 1], lengths[t:t + 1], query[:, t:t + 1],
-                                                       key[:, :n], 0.7, block, ex)
-        if closest > 1e-4:  # float32 against float64: no decision on a knife's edge
-            assert int(swaps[t]) == want_swaps[0]
-            assert sorted(got[t].tolist()) == sorted(want[0].tolist())
+    assert_rows_match(verified_reference, got, swaps, rows, lengths, query, key, block, ex)
 
 
 @settings(max_examples=60, deadline=None)
